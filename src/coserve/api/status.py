@@ -1,0 +1,146 @@
+"""The CoServePool status: what the operator observed and decided.
+
+The operator writes it; users read it through ``kubectl get csp`` (printer
+columns) and ``kubectl describe``. Conditions follow the Kubernetes API
+conventions: one entry per ``type``, ``lastTransitionTime`` moves only when
+``status`` changes (see ``coserve.api.conditions``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field
+
+from coserve.api._base import ApiModel
+
+__all__ = [
+    "Bottleneck",
+    "Condition",
+    "ConditionStatus",
+    "ConditionType",
+    "Plan",
+    "PlanUtilization",
+    "RoleReplicas",
+    "ReplicaStatus",
+    "StatusModel",
+]
+
+
+class ConditionType(str, Enum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    PLAN_VALID = "PlanValid"
+    AUTOSCALING_ACTIVE = "AutoscalingActive"
+
+
+class ConditionStatus(str, Enum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(ApiModel):
+    """One aspect of the pool's state, as in metav1.Condition."""
+
+    type: ConditionType = Field(description="type of the condition: Ready, Progressing, Degraded, PlanValid or AutoscalingActive.")
+    status: ConditionStatus = Field(description="status is True, False or Unknown.")
+    reason: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="reason is a CamelCase word for the last transition, for machines.",
+    )
+    message: str = Field(default="", max_length=32768, description="message explains the condition to a human.")
+    last_transition_time: str = Field(
+        description="lastTransitionTime is when status last changed (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="observedGeneration is the spec generation the condition was set for."
+    )
+
+
+class Bottleneck(str, Enum):
+    """Which resource of the pool saturates first as load rises."""
+
+    PREFILLER = "Prefiller"
+    DECODER_THROUGHPUT = "DecoderThroughput"
+    DECODER_MEMORY = "DecoderMemory"
+
+
+class PlanUtilization(ApiModel):
+    """Expected utilization of each resource at the target arrival rate (1.0 = saturated)."""
+
+    prefiller: float = Field(ge=0, description="prefiller is R / (prefillers · R*).")
+    decoder_throughput: float = Field(ge=0, description="decoderThroughput is R·L_d / (decoders · T_d).")
+    decoder_memory: float = Field(ge=0, description="decoderMemory is R·W / (decoders · B).")
+
+
+class Plan(ApiModel):
+    """The provisioning model's answer for a spec: replica counts and why."""
+
+    prefillers: int = Field(ge=1, description="prefillers is the number of prefiller replicas M.")
+    decoders: int = Field(ge=1, description="decoders is the number of decoder replicas N.")
+    prefill_throughput_tokens_per_s: float = Field(
+        ge=0, description="prefillThroughputTokensPerS is T_p, one prefiller's throughput at inputTokens."
+    )
+    saturation_rate_per_s: float = Field(
+        ge=0, description="saturationRatePerS is R* = T_p / L_in, the conversations/s one prefiller saturates at."
+    )
+    pool_saturation_rate_per_s: float = Field(
+        ge=0, description="poolSaturationRatePerS is prefillers · R*, the rate the prefiller pool saturates at."
+    )
+    design_rate_per_s: float = Field(
+        ge=0, description="designRatePerS is the arrival rate the decoders were sized for."
+    )
+    kv_slots_per_decoder: int = Field(
+        ge=1, description="kvSlotsPerDecoder is B, the conversations one decoder's KV cache holds at once."
+    )
+    decoders_per_prefiller: float = Field(
+        ge=0, description="decodersPerPrefiller is the decoders one saturated prefiller needs, before headroom."
+    )
+    binding_constraint: Bottleneck = Field(
+        description="bindingConstraint is the decoder constraint (DecoderThroughput or DecoderMemory) that set decoders."
+    )
+    bottleneck: Bottleneck = Field(description="bottleneck is the resource that saturates first as load rises.")
+    utilization: PlanUtilization = Field(description="utilization at the target arrival rate.")
+    explanation: list[str] = Field(default_factory=list, description="explanation of each number, for humans.")
+    warnings: list[str] = Field(default_factory=list, description="warnings about the spec that do not block the plan.")
+
+
+class RoleReplicas(ApiModel):
+    """Desired and ready replicas of one role."""
+
+    desired: int = Field(default=0, ge=0, description="desired replicas.")
+    ready: int = Field(default=0, ge=0, description="ready replicas, from the Deployment's status.")
+
+
+class ReplicaStatus(ApiModel):
+    """Replicas per role."""
+
+    prefillers: RoleReplicas = Field(default_factory=RoleReplicas, description="prefillers replicas.")
+    decoders: RoleReplicas = Field(default_factory=RoleReplicas, description="decoders replicas.")
+    routers: RoleReplicas = Field(default_factory=RoleReplicas, description="routers replicas.")
+
+
+class StatusModel(ApiModel):
+    """status of a CoServePool, written by the operator."""
+
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="observedGeneration is the spec generation this status describes."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="conditions: Ready, Progressing, Degraded, PlanValid and AutoscalingActive.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    plan: Plan | None = Field(default=None, description="plan is the provisioning model's current answer.")
+    replicas: ReplicaStatus = Field(default_factory=ReplicaStatus, description="replicas per role.")
+    prefillers: str | None = Field(
+        default=None, description='prefillers is "desired/ready" prefiller replicas, for kubectl get.'
+    )
+    decoders: str | None = Field(
+        default=None, description='decoders is "desired/ready" decoder replicas, for kubectl get.'
+    )

@@ -1,0 +1,172 @@
+"""The closed-form provisioning model: how many prefillers and decoders a pool needs.
+
+Symbols (from the conversation-level disaggregation paper) and their names here:
+
+    R     target conversation arrival rate   -> workload.arrival_rate_per_s
+    L_in  turn-1 input tokens                -> workload.input_tokens
+    L_d   output tokens per conversation     -> workload.output_tokens
+    W     conversation lifetime (s)          -> workload.lifetime_s
+    T_p   prefiller throughput at L_in       -> L_in / prefill_latency(L_in)
+    T_d   decoder throughput (tokens/s)      -> profile.decode_throughput_tokens_per_s
+    B     KV slots per decoder               -> floor(kv_capacity_tokens / live_context_tokens)
+
+One prefiller saturates at ``R* = T_p / L_in`` conversations/s, so M prefillers
+serve a target rate R when ``M = ceil(R / R*)``. Decoders must satisfy both
+``N·T_d >= R·L_d`` (throughput) and ``N·B >= R·W`` (KV memory). Evaluating them
+at the prefillers' saturation rate ``M·R*``, with ``headroom`` on top, makes the
+prefiller pool (whose load the router observes) the first thing to saturate.
+
+NOTE: the rate the decoders are sized for is ``min(M·R*, headroom·R)``. A pool
+whose target is far below one prefiller's saturation point would otherwise get
+decoders for traffic it was never asked to take (R -> 0 would still need several
+decoders); the plan then says honestly which resource saturates first, and the
+autoscaler re-plans from the measured rate.
+
+Who calls it: ``coserve plan`` and ``coserve render`` (CLI), the operator on
+every reconcile, and the autoscaler with measured workload numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from coserve.api.spec import SpecModel
+from coserve.api.status import Bottleneck, Plan, PlanUtilization
+from coserve.provisioning.profile import ResolvedProfile
+
+__all__ = ["MAX_REPLICAS_PER_ROLE", "Capacities", "make_plan"]
+
+# Above this a plan is a typo, not a pool (and Deployment replicas are int32).
+MAX_REPLICAS_PER_ROLE = 10_000
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """The arrival rate (conversations/s) at which each resource of a pool saturates."""
+
+    prefiller_per_s: float
+    decoder_throughput_per_s: float
+    decoder_memory_per_s: float
+
+    def first_bottleneck(self) -> Bottleneck:
+        """The resource with the lowest saturation rate; ties go to the prefiller, then throughput."""
+        ranked = [
+            (self.prefiller_per_s, 0, Bottleneck.PREFILLER),
+            (self.decoder_throughput_per_s, 1, Bottleneck.DECODER_THROUGHPUT),
+            (self.decoder_memory_per_s, 2, Bottleneck.DECODER_MEMORY),
+        ]
+        return min(ranked, key=lambda item: (item[0], item[1]))[2]
+
+
+def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
+    """Size the pool described by ``spec`` with the engine speeds in ``profile``.
+
+    Pure and deterministic. The caller has already run
+    ``coserve.provisioning.validation.check_spec`` (a zero prefill latency or a KV
+    cache smaller than one conversation would make this divide by zero).
+    """
+    workload = spec.workload
+    rate = workload.arrival_rate_per_s
+    input_tokens = workload.input_tokens
+    output_tokens = workload.output_tokens
+    lifetime_s = workload.lifetime_s
+    decode_tps = profile.decode_throughput_tokens_per_s
+
+    prefill_latency_s = profile.prefill_latency.latency_s(input_tokens)
+    prefill_tps = input_tokens / prefill_latency_s
+    saturation_rate = prefill_tps / input_tokens
+    kv_slots = profile.kv_capacity_tokens // profile.live_context_tokens
+
+    prefillers = max(1, _ceil(rate / saturation_rate))
+    pool_saturation = prefillers * saturation_rate
+    design_rate = min(pool_saturation, spec.headroom * rate)
+    throughput_need = design_rate * output_tokens / decode_tps
+    memory_need = design_rate * lifetime_s / kv_slots
+    binding = Bottleneck.DECODER_THROUGHPUT if throughput_need >= memory_need else Bottleneck.DECODER_MEMORY
+    decoders = max(1, _ceil(spec.headroom * max(throughput_need, memory_need)))
+    per_prefiller = max(saturation_rate * output_tokens / decode_tps, saturation_rate * lifetime_s / kv_slots)
+
+    warnings: list[str] = []
+    autoscaling = spec.autoscaling
+    if autoscaling.enabled:
+        prefillers = _clamp("prefillers", prefillers, autoscaling.prefillers.min_replicas,
+                            autoscaling.prefillers.max_replicas, warnings)
+        decoders = _clamp("decoders", decoders, autoscaling.decoders.min_replicas,
+                          autoscaling.decoders.max_replicas, warnings)
+        pool_saturation = prefillers * saturation_rate
+
+    capacities = Capacities(
+        prefiller_per_s=pool_saturation,
+        decoder_throughput_per_s=decoders * decode_tps / output_tokens,
+        decoder_memory_per_s=decoders * kv_slots / lifetime_s,
+    )
+    bottleneck = capacities.first_bottleneck()
+    if bottleneck is not Bottleneck.PREFILLER:
+        warnings.append(
+            f"decoders saturate first ({_rate(min(capacities.decoder_throughput_per_s, capacities.decoder_memory_per_s))}"
+            f" conversations/s, {bottleneck.value}) before the prefillers ({_rate(pool_saturation)}): traffic above "
+            "that rate would queue where the router cannot see it; raise spec.headroom or enable autoscaling"
+        )
+    utilization = PlanUtilization(
+        prefiller=rate / pool_saturation,
+        decoder_throughput=rate * output_tokens / (decoders * decode_tps),
+        decoder_memory=rate * lifetime_s / (decoders * kv_slots),
+    )
+    explanation = [
+        f"prefill latency at L_in={input_tokens} tokens is {prefill_latency_s:.4g} s "
+        f"(profile.prefillLatency, {profile.source}), so one prefiller processes "
+        f"T_p = {input_tokens} / {prefill_latency_s:.4g} = {prefill_tps:,.0f} tokens/s",
+        f"one prefiller saturates at R* = T_p / L_in = {_rate(saturation_rate)} conversations/s",
+        f"prefillers M = ceil(R / R*) = ceil({_rate(rate)} / {_rate(saturation_rate)}) = {prefillers}"
+        f", saturating at M·R* = {_rate(pool_saturation)} conversations/s",
+        f"one decoder holds B = floor({profile.kv_capacity_tokens} KV tokens / {profile.live_context_tokens} "
+        f"live tokens per conversation) = {kv_slots} conversations",
+        f"decoders are sized for min(M·R*, headroom·R) = min({_rate(pool_saturation)}, "
+        f"{spec.headroom:g}·{_rate(rate)}) = {_rate(design_rate)} conversations/s",
+        f"throughput needs R·L_d / T_d = {_rate(design_rate)}·{output_tokens} / {decode_tps:g} = "
+        f"{throughput_need:.3f} decoders; memory needs R·W / B = {_rate(design_rate)}·{lifetime_s:g} / "
+        f"{kv_slots} = {memory_need:.3f} decoders; {binding.value} binds",
+        f"decoders N = ceil(headroom · {max(throughput_need, memory_need):.3f}) = "
+        f"ceil({spec.headroom:g} · {max(throughput_need, memory_need):.3f}) = {decoders}"
+        f" ({per_prefiller:.3f} decoders per saturated prefiller before headroom)",
+        f"as load rises, {bottleneck.value} saturates first: prefillers at {_rate(capacities.prefiller_per_s)}, "
+        f"decoder throughput at {_rate(capacities.decoder_throughput_per_s)}, decoder memory at "
+        f"{_rate(capacities.decoder_memory_per_s)} conversations/s",
+    ]
+    return Plan(
+        prefillers=prefillers,
+        decoders=decoders,
+        prefill_throughput_tokens_per_s=prefill_tps,
+        saturation_rate_per_s=saturation_rate,
+        pool_saturation_rate_per_s=pool_saturation,
+        design_rate_per_s=design_rate,
+        kv_slots_per_decoder=kv_slots,
+        decoders_per_prefiller=per_prefiller,
+        binding_constraint=binding,
+        bottleneck=bottleneck,
+        utilization=utilization,
+        explanation=explanation,
+        warnings=warnings,
+    )
+
+
+def _ceil(value: float) -> int:
+    """ceil that does not turn 3.0000000000000004 (float noise) into 4."""
+    return math.ceil(value - _EPS * max(1.0, abs(value)))
+
+
+def _clamp(role: str, wanted: int, low: int, high: int, warnings: list[str]) -> int:
+    if wanted > high:
+        warnings.append(
+            f"the model wants {wanted} {role} but spec.autoscaling.{role}.maxReplicas is {high}: the pool is "
+            "under-provisioned for the target rate"
+        )
+        return high
+    return max(wanted, low)
+
+
+def _rate(value: float) -> str:
+    return f"{value:.4g}"

@@ -1,0 +1,110 @@
+"""Semantic checks of a CoServePool spec: rules the CRD's schema cannot express.
+
+A spec can pass the schema and still be impossible: min above max, a KV cache
+smaller than one conversation, an SLO tighter than the engine can ever meet.
+``check_spec`` finds every such problem at once; the CLI prints them and exits
+2, the operator reports them as PlanValid=False and touches no child.
+"""
+
+from __future__ import annotations
+
+from coserve.api.problems import Problem
+from coserve.api.spec import KVOffloadBackend, SpecModel
+from coserve.provisioning.model import MAX_REPLICAS_PER_ROLE, make_plan
+from coserve.provisioning.profile import ResolvedProfile
+
+__all__ = ["check_spec", "check_plan_limits", "spec_warnings"]
+
+
+def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
+    """Every semantic problem of ``spec`` with ``profile``; empty when the plan can be made."""
+    problems: list[Problem] = []
+    workload = spec.workload
+
+    latency_s = profile.prefill_latency.latency_s(workload.input_tokens)
+    if latency_s <= 0:
+        problems.append(Problem(
+            "spec.profile.prefillLatency",
+            f"predicts zero latency for a {workload.input_tokens}-token prefill, i.e. infinite prefill "
+            "throughput; set perTokenS (seconds per token) to a positive value",
+        ))
+    if profile.kv_capacity_tokens < profile.live_context_tokens:
+        problems.append(Problem(
+            "spec.profile.kvCapacityTokens",
+            f"{profile.kv_capacity_tokens} KV tokens cannot hold even one conversation of "
+            f"{profile.live_context_tokens} live tokens (spec.profile.liveContextTokens, default "
+            "inputTokens + outputTokens)",
+        ))
+
+    names = [c.name for c in spec.priority_classes]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            problems.append(Problem(f"spec.priorityClasses[{index}].name", f"duplicate class name {name!r}"))
+    never_meetable_ms = profile.prefill_latency.constant_s * 1000
+    for index, cls in enumerate(spec.priority_classes):
+        if cls.ttft_slo_ms < never_meetable_ms:
+            problems.append(Problem(
+                f"spec.priorityClasses[{index}].ttftSloMs",
+                f"{cls.ttft_slo_ms:g} ms is below the fixed prefill cost of {never_meetable_ms:g} ms "
+                "(spec.profile.prefillLatency.constantS): no request of this class could ever meet it",
+            ))
+    if spec.offline.enabled and spec.offline.class_name not in names:
+        problems.append(Problem(
+            "spec.offline.className",
+            f"{spec.offline.class_name!r} is not one of spec.priorityClasses ({', '.join(names)})",
+        ))
+
+    offload = spec.kv_offload
+    if offload.enabled and offload.backend is KVOffloadBackend.HOST and offload.host_memory_bytes == 0:
+        problems.append(Problem(
+            "spec.kvOffload.hostMemoryBytes",
+            "is 0 while the host backend is enabled: give the host KV pool some bytes or disable kvOffload",
+        ))
+
+    scaling = spec.autoscaling
+    for role in ("prefillers", "decoders"):
+        bounds = getattr(scaling, role)
+        if bounds.min_replicas > bounds.max_replicas:
+            problems.append(Problem(
+                f"spec.autoscaling.{role}.minReplicas",
+                f"{bounds.min_replicas} is above maxReplicas {bounds.max_replicas}",
+            ))
+    if scaling.enabled and scaling.prometheus_url is None:
+        problems.append(Problem("spec.autoscaling.prometheusUrl", "is required when autoscaling is enabled"))
+
+    if not problems:
+        problems.extend(check_plan_limits(spec, profile))
+    return problems
+
+
+def check_plan_limits(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
+    """A plan beyond MAX_REPLICAS_PER_ROLE per role is a typo in the workload or the profile."""
+    plan = make_plan(spec, profile)
+    problems = []
+    for role, count in (("prefillers", plan.prefillers), ("decoders", plan.decoders)):
+        if count > MAX_REPLICAS_PER_ROLE:
+            problems.append(Problem(
+                "spec.workload.arrivalRatePerS",
+                f"needs {count} {role}, more than the {MAX_REPLICAS_PER_ROLE} one pool supports; "
+                "check the workload and profile numbers for a unit error, or split the pool",
+            ))
+    return problems
+
+
+def spec_warnings(spec: SpecModel) -> list[str]:
+    """Legal but suspicious settings, reported next to the plan."""
+    warnings = []
+    gpus = None
+    limits = spec.engine.resources.limits or {}
+    if "nvidia.com/gpu" in limits and isinstance(limits["nvidia.com/gpu"], int):
+        gpus = limits["nvidia.com/gpu"]
+    if gpus is not None and gpus != spec.engine.tensor_parallel_size:
+        warnings.append(
+            f"spec.engine.resources.limits[nvidia.com/gpu] is {gpus} but tensorParallelSize is "
+            f"{spec.engine.tensor_parallel_size}: each engine uses tensorParallelSize GPUs"
+        )
+    if spec.kv_offload.enabled and spec.kv_offload.backend is not KVOffloadBackend.HOST:
+        warnings.append(
+            f"spec.kvOffload.backend {spec.kv_offload.backend.value} needs CUDA engines; use host on CPU nodes"
+        )
+    return warnings
