@@ -14,10 +14,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from coserve.api.problems import InvalidInput, Problem, problems_from_validation_error
+from coserve.api.profile import EngineProfile
 from coserve.api.resource import API_VERSION, KIND, CoServePool
 from coserve.api.spec import SpecModel
 
-__all__ = ["parse_pool", "parse_spec"]
+__all__ = ["parse_pool", "parse_profile", "parse_spec"]
 
 
 def parse_pool(document: object) -> CoServePool:
@@ -42,6 +43,14 @@ def parse_spec(spec: object, prefix: str = "spec") -> SpecModel:
         return SpecModel.model_validate_json(_to_json(spec))
     except ValidationError as error:
         raise InvalidInput(problems_from_validation_error(error, prefix)) from None
+
+
+def parse_profile(document: object) -> EngineProfile:
+    """Validate a measured engine profile (kind CoServeProfile)."""
+    try:
+        return EngineProfile.model_validate_json(_to_json(document))
+    except ValidationError as error:
+        raise InvalidInput(problems_from_validation_error(error)) from None
 
 
 def _identity_problems(document: Mapping[str, Any]) -> list[Problem]:

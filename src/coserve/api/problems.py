@@ -31,10 +31,14 @@ class Problem:
 
 
 class InvalidInput(ValueError):
-    """Raised when input has one or more problems; ``problems`` lists them all."""
+    """Raised when input has one or more problems; ``problems`` lists them all.
 
-    def __init__(self, problems: Sequence[Problem]) -> None:
+    ``source`` names the input (a file) when the raiser knows it.
+    """
+
+    def __init__(self, problems: Sequence[Problem], source: str | None = None) -> None:
         self.problems = list(problems)
+        self.source = source
         super().__init__("; ".join(str(p) for p in self.problems))
 
 

@@ -32,11 +32,14 @@ def resolve_profile(spec: SpecModel, measured: EngineProfile | None = None) -> R
     inline = spec.profile
     ref = inline.config_map_ref
     problems: list[Problem] = []
+    taken: list[str] = []
 
     def pick(field: str) -> object:
         value = getattr(inline, field)
         if value is None and measured is not None:
             value = getattr(measured, field)
+            if value is not None:
+                taken.append(type(inline).model_fields[field].alias or field)
         if value is None:
             alias = type(inline).model_fields[field].alias
             if ref is not None and measured is None:
@@ -62,5 +65,6 @@ def resolve_profile(spec: SpecModel, measured: EngineProfile | None = None) -> R
     if problems:
         raise InvalidInput(problems)
     assert isinstance(curve, PrefillLatencyCurve) and isinstance(decode, float) and isinstance(kv, int)
-    source = "inline" if measured is None else f"inline over ConfigMap {ref.name if ref else '?'}"
+    origin = f"ConfigMap {ref.name}" if ref is not None else "the --profile file"
+    source = f"{', '.join(taken)} from {origin}, the rest from spec.profile" if taken else "spec.profile"
     return ResolvedProfile(curve, decode, kv, live, source)

@@ -1,0 +1,579 @@
+"""Tests of coserve.operator.resources: the objects `coserve render` prints and the operator applies."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coserve.api import CoServePool, Plan, parse_pool
+from coserve.api.profile import EngineProfile
+from coserve.operator.resources import (
+    CONFIG_HASH_ANNOTATION,
+    ROLE_LABEL,
+    build_children,
+    child_name,
+    config_data,
+    config_hash,
+    router_image,
+)
+from coserve.provisioning import plan_for
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+
+BASE_POOL: dict[str, Any] = {
+    "apiVersion": "coserve.dev/v1alpha1",
+    "kind": "CoServePool",
+    "metadata": {"name": "chat", "namespace": "serving"},
+    "spec": {
+        "model": {"name": "Qwen/Qwen3-8B"},
+        "workload": {"arrivalRatePerS": 2.0, "inputTokens": 2000, "outputTokens": 500, "lifetimeS": 60.0},
+        "profile": {
+            "prefillLatency": {"constantS": 0.01, "perTokenS": 0.0001},
+            "decodeThroughputTokensPerS": 2000.0,
+            "kvCapacityTokens": 400000,
+        },
+    },
+}
+
+EXPECTED_ORDER = [
+    ("ConfigMap", "chat-config"),
+    ("Deployment", "chat-prefiller"),
+    ("Deployment", "chat-decoder"),
+    ("Deployment", "chat-router"),
+    ("Service", "chat-router"),
+    ("Service", "chat-prefiller"),
+    ("Service", "chat-decoder"),
+]
+
+
+def make_pool(**spec_updates: Any) -> dict[str, Any]:
+    document = copy.deepcopy(BASE_POOL)
+    document["spec"].update(copy.deepcopy(spec_updates))
+    return document
+
+
+def render(document: dict[str, Any], **kwargs: Any) -> list[dict[str, Any]]:
+    pool = parse_pool(document)
+    return build_children(pool, plan_for(pool.spec), **kwargs)
+
+
+def by_key(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(child["kind"], child["metadata"]["name"]): child for child in children}
+
+
+def deployment(children: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    return by_key(children)[("Deployment", f"chat-{component}")]
+
+
+def container(children: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    containers = deployment(children, component)["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]  # type: ignore[no-any-return]
+
+
+def arg_value(args: list[str], flag: str) -> str:
+    assert args.count(flag) == 1, f"{flag} appears {args.count(flag)} times"
+    return args[args.index(flag) + 1]
+
+
+def kv_config(children: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    return json.loads(arg_value(container(children, role)["args"], "--kv-transfer-config"))  # type: ignore[no-any-return]
+
+
+def walk(value: Any, path: str = "") -> list[tuple[str, Any]]:
+    """Every (path, leaf-or-container) pair of a JSON-like tree."""
+    found = [(path, value)]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += walk(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found += walk(item, f"{path}[{index}]")
+    return found
+
+
+# --- shape ------------------------------------------------------------------------------------
+
+
+def test_children_have_the_documented_kinds_names_and_order() -> None:
+    children = render(make_pool())
+
+    assert [(c["kind"], c["metadata"]["name"]) for c in children] == EXPECTED_ORDER
+    assert [c["apiVersion"] for c in children] == ["v1", "apps/v1", "apps/v1", "apps/v1", "v1", "v1", "v1"]
+
+
+def test_engine_replicas_follow_the_plan_and_router_replicas_follow_the_spec() -> None:
+    pool = parse_pool(make_pool(router={"replicas": 3}))
+    plan = plan_for(pool.spec).model_copy(update={"prefillers": 4, "decoders": 11})
+
+    children = build_children(pool, plan)
+
+    assert deployment(children, "prefiller")["spec"]["replicas"] == 4
+    assert deployment(children, "decoder")["spec"]["replicas"] == 11
+    assert deployment(children, "router")["spec"]["replicas"] == 3
+    assert all(type(deployment(children, c)["spec"]["replicas"]) is int for c in ("prefiller", "decoder", "router"))
+
+
+@pytest.mark.parametrize("namespace", ["serving", None])
+def test_every_object_carries_the_labels_and_the_pool_namespace(namespace: str | None) -> None:
+    document = make_pool()
+    document["metadata"]["namespace"] = namespace
+    if namespace is None:
+        del document["metadata"]["namespace"]
+
+    children = render(document)
+
+    components = ["config", "prefiller", "decoder", "router", "router", "prefiller", "decoder"]
+    for child, component in zip(children, components, strict=True):
+        assert child["metadata"]["labels"] == {
+            "app.kubernetes.io/name": "coserve",
+            "app.kubernetes.io/instance": "chat",
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/managed-by": "coserve-operator",
+            "coserve.dev/role": component,
+        }
+        if namespace is None:
+            assert "namespace" not in child["metadata"]
+        else:
+            assert child["metadata"]["namespace"] == namespace
+
+
+def test_owner_references_appear_only_when_the_pool_has_a_uid() -> None:
+    without_uid = render(make_pool())
+    document = make_pool()
+    document["metadata"]["uid"] = "6f1c1c9e-0000-4000-8000-000000000001"
+    with_uid = render(document)
+
+    assert all("ownerReferences" not in child["metadata"] for child in without_uid)
+    for child in with_uid:
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "coserve.dev/v1alpha1",
+            "kind": "CoServePool",
+            "name": "chat",
+            "uid": "6f1c1c9e-0000-4000-8000-000000000001",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }]
+
+
+def test_no_value_anywhere_is_none() -> None:
+    document = make_pool(
+        engine={"decoder": {"tolerations": [{"operator": "Exists"}]}},
+        router={"resources": {"limits": {"memory": "1Gi"}}},
+    )
+    children = render(document)
+
+    assert [path for child in children for path, value in walk(child) if value is None] == []
+
+
+def test_two_builds_of_the_same_pool_are_equal() -> None:
+    pool = parse_pool(make_pool(kvOffload={"enabled": True}))
+    plan = plan_for(pool.spec)
+
+    first = build_children(pool, plan, operator_image_tag="0.2.0")
+    second = build_children(pool, plan, operator_image_tag="0.2.0")
+
+    assert first == second
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def test_callers_mutating_the_output_do_not_change_the_next_build() -> None:
+    pool = parse_pool(make_pool())
+    plan = plan_for(pool.spec)
+    first = build_children(pool, plan)
+    container(first, "prefiller")["command"].append("--oops")
+    container(first, "router")["command"].append("--oops")
+
+    second = build_children(pool, plan)
+
+    assert container(second, "prefiller")["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--oops" not in container(second, "router")["command"]
+
+
+# --- selectors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("component", ["prefiller", "decoder", "router"])
+def test_deployment_selector_matches_its_pod_template_labels(component: str) -> None:
+    spec = deployment(render(make_pool()), component)["spec"]
+    match_labels = spec["selector"]["matchLabels"]
+    template_labels = spec["template"]["metadata"]["labels"]
+
+    assert match_labels == {"app.kubernetes.io/instance": "chat", ROLE_LABEL: component}
+    assert match_labels.items() <= template_labels.items()
+
+
+@pytest.mark.parametrize("component", ["prefiller", "decoder", "router"])
+def test_service_selects_exactly_its_role_pods(component: str) -> None:
+    children = render(make_pool())
+    selector = by_key(children)[("Service", f"chat-{component}")]["spec"]["selector"]
+    template_labels = {
+        c: deployment(children, c)["spec"]["template"]["metadata"]["labels"] for c in ("prefiller", "decoder", "router")
+    }
+
+    assert [c for c, labels in template_labels.items() if selector.items() <= labels.items()] == [component]
+
+
+def test_router_service_is_cluster_ip_from_80_to_the_router_port() -> None:
+    service = by_key(render(make_pool()))[("Service", "chat-router")]
+
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]
+    assert container(render(make_pool()), "router")["ports"] == [
+        {"name": "http", "containerPort": 8080, "protocol": "TCP"}
+    ]
+
+
+@pytest.mark.parametrize("role", ["prefiller", "decoder"])
+def test_engine_services_are_headless_and_publish_only_ready_pods(role: str) -> None:
+    service = by_key(render(make_pool()))[("Service", f"chat-{role}")]
+
+    assert service["spec"]["clusterIP"] == "None"  # the string: Python None would mean "allocate an IP"
+    assert service["spec"]["publishNotReadyAddresses"] is False
+    assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": 8000, "protocol": "TCP"}]
+    assert "type" not in service["spec"]
+
+
+# --- the ConfigMap ----------------------------------------------------------------------------
+
+
+def test_config_map_holds_engine_and_router_config() -> None:
+    document = make_pool(
+        model={"name": "Qwen/Qwen3-8B", "servedModelName": "qwen"},
+        offline={"enabled": True, "share": 0.25},
+        kvOffload={"enabled": True, "backend": "lmcache", "hostMemoryBytes": 1024},
+    )
+    config_map = render(document)[0]
+
+    engine = json.loads(config_map["data"]["engine.json"])
+    router = json.loads(config_map["data"]["router.json"])
+
+    assert sorted(config_map["data"]) == ["engine.json", "router.json"]
+    assert engine["priorityClasses"][0] == {
+        "name": "interactive", "weight": 10.0, "ttftSloMs": 1000.0, "tpotSloMs": 100.0,
+    }
+    assert [c["name"] for c in engine["priorityClasses"]] == ["interactive", "standard", "offline"]
+    assert engine["offline"] == {"enabled": True, "share": 0.25, "className": "offline"}
+    assert engine["kvOffload"] == {"enabled": True, "backend": "lmcache", "hostMemoryBytes": 1024}
+    assert engine["prefillLatency"] == {"constantS": 0.01, "perTokenS": 0.0001, "perTokenSquaredS": 0.0}
+    assert router == {
+        "model": "qwen",
+        "prefillerService": "chat-prefiller.serving.svc",
+        "decoderService": "chat-decoder.serving.svc",
+        "enginePort": 8000,
+        "priorityClasses": engine["priorityClasses"],
+        "offline": engine["offline"],
+    }
+
+
+def test_router_config_uses_the_default_namespace_and_the_model_name_when_unset() -> None:
+    document = make_pool()
+    del document["metadata"]["namespace"]
+
+    router = json.loads(render(document)[0]["data"]["router.json"])
+
+    assert router["model"] == "Qwen/Qwen3-8B"
+    assert router["prefillerService"] == "chat-prefiller.default.svc"
+    assert router["decoderService"] == "chat-decoder.default.svc"
+
+
+def test_engine_config_has_no_prefill_curve_when_the_profile_comes_only_from_a_config_map() -> None:
+    document = make_pool(profile={"configMapRef": {"name": "measured"}})
+    pool = parse_pool(document)
+    measured = EngineProfile.model_validate_json(json.dumps({
+        "prefillLatency": {"perTokenS": 0.0001}, "decodeThroughputTokensPerS": 2000.0, "kvCapacityTokens": 400000,
+    }))
+
+    engine = json.loads(build_children(pool, plan_for(pool.spec, measured))[0]["data"]["engine.json"])
+
+    assert "prefillLatency" not in engine
+
+
+# --- the config hash --------------------------------------------------------------------------
+
+
+def pod_hashes(children: list[dict[str, Any]]) -> set[str]:
+    return {
+        deployment(children, c)["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+        for c in ("prefiller", "decoder", "router")
+    }
+
+
+def test_every_pod_template_carries_the_hash_of_the_config_map_data() -> None:
+    children = render(make_pool())
+    digest = config_hash(children[0]["data"])
+
+    assert pod_hashes(children) == {digest}
+    assert len(digest) == 16 and int(digest, 16) >= 0
+
+
+def test_config_hash_changes_when_a_priority_class_slo_changes() -> None:
+    classes = [{"name": "interactive", "weight": 10.0, "ttftSloMs": 1000.0, "tpotSloMs": 100.0}]
+    tighter = [{**classes[0], "ttftSloMs": 500.0}]
+
+    before = pod_hashes(render(make_pool(priorityClasses=classes)))
+    after = pod_hashes(render(make_pool(priorityClasses=tighter)))
+
+    assert len(before) == len(after) == 1
+    assert before != after
+
+
+def test_config_hash_does_not_change_when_only_replicas_change() -> None:
+    pool = parse_pool(make_pool())
+    plan = plan_for(pool.spec)
+    scaled_pool = parse_pool(make_pool(router={"replicas": 5}))
+    scaled_plan = plan.model_copy(update={"prefillers": plan.prefillers + 3, "decoders": plan.decoders + 9})
+
+    before = build_children(pool, plan)
+    after = build_children(scaled_pool, scaled_plan)
+
+    assert pod_hashes(before) == pod_hashes(after)
+    assert deployment(after, "decoder")["spec"]["replicas"] == plan.decoders + 9
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    ttft_slo_ms=st.floats(min_value=100, max_value=1e6, allow_nan=False),
+    num_prefillers=st.integers(min_value=1, max_value=10_000),
+    num_decoders=st.integers(min_value=1, max_value=10_000),
+)
+def test_config_hash_depends_on_config_only(ttft_slo_ms: float, num_prefillers: int, num_decoders: int) -> None:
+    classes = [{"name": "interactive", "weight": 1.0, "ttftSloMs": ttft_slo_ms, "tpotSloMs": 100.0}]
+    pool = parse_pool(make_pool(priorityClasses=classes))
+    plan = plan_for(pool.spec)
+
+    scaled = build_children(pool, plan.model_copy(update={"prefillers": num_prefillers, "decoders": num_decoders}))
+
+    assert pod_hashes(scaled) == {config_hash(config_data(pool))}
+    assert json.loads(scaled[0]["data"]["engine.json"])["priorityClasses"][0]["ttftSloMs"] == ttft_slo_ms
+
+
+def test_config_hash_ignores_key_order() -> None:
+    assert config_hash({"a": "1", "b": "2"}) == config_hash({"b": "2", "a": "1"})
+    assert config_hash({"a": "1", "b": "2"}) != config_hash({"a": "2", "b": "1"})
+
+
+# --- engine pods ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("role", "kv_role"), [("prefiller", "kv_producer"), ("decoder", "kv_consumer")])
+def test_prefiller_produces_and_decoder_consumes_kv(role: str, kv_role: str) -> None:
+    assert kv_config(render(make_pool()), role) == {
+        "kv_connector": "CoServeConnector",
+        "kv_connector_module_path": "coserve.engine.connector",
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {"coserve_config": "/etc/coserve/engine.json"},
+    }
+
+
+@pytest.mark.parametrize("role", ["prefiller", "decoder"])
+def test_kv_offload_settings_reach_the_connector_only_when_enabled(role: str) -> None:
+    document = make_pool(kvOffload={"enabled": True, "backend": "native", "hostMemoryBytes": 4 * 2**30})
+
+    extra = kv_config(render(document), role)["kv_connector_extra_config"]
+
+    assert extra == {
+        "coserve_config": "/etc/coserve/engine.json",
+        "kv_offload_backend": "native",
+        "host_memory_bytes": 4 * 2**30,
+    }
+    assert type(extra["host_memory_bytes"]) is int
+
+
+def test_engine_args_put_coserve_flags_first_then_engine_then_role_extra_args() -> None:
+    document = make_pool(
+        model={"name": "Qwen/Qwen3-8B", "servedModelName": "qwen"},
+        engine={
+            "tensorParallelSize": 2,
+            "extraArgs": ["--max-model-len", "32768"],
+            "decoder": {"extraArgs": ["--gpu-memory-utilization", "0.95"]},
+        },
+    )
+    children = render(document)
+    prefiller_args = container(children, "prefiller")["args"]
+    decoder_args = container(children, "decoder")["args"]
+
+    common = [
+        "--model", "Qwen/Qwen3-8B",
+        "--served-model-name", "qwen",
+        "--port", "8000",
+        "--tensor-parallel-size", "2",
+        "--scheduler-cls", "coserve.engine.scheduler.TDGScheduler",
+        "--kv-transfer-config",
+    ]
+    assert prefiller_args[:-3] == common and decoder_args[:-5] == common
+    assert prefiller_args[-2:] == ["--max-model-len", "32768"]
+    assert decoder_args[-4:] == ["--max-model-len", "32768", "--gpu-memory-utilization", "0.95"]
+    assert all(isinstance(arg, str) for arg in prefiller_args + decoder_args)
+
+
+def test_role_overrides_apply_only_to_their_role() -> None:
+    document = make_pool(engine={
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "decoder": {
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L40S"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "48Gi"}, "requests": {"cpu": "8"}},
+        },
+    })
+    children = render(document)
+    prefiller_pod = deployment(children, "prefiller")["spec"]["template"]["spec"]
+    decoder_pod = deployment(children, "decoder")["spec"]["template"]["spec"]
+
+    assert decoder_pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L40S"}
+    assert decoder_pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert decoder_pod["containers"][0]["resources"] == {
+        "limits": {"nvidia.com/gpu": 1, "memory": "48Gi"}, "requests": {"cpu": "8"},
+    }
+    assert "nodeSelector" not in prefiller_pod and "tolerations" not in prefiller_pod
+    assert prefiller_pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert type(prefiller_pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]) is int
+
+
+@pytest.mark.parametrize("role", ["prefiller", "decoder"])
+def test_engine_container_runs_vllm_with_the_coserve_plugin(role: str) -> None:
+    document = make_pool(engine={"image": "registry.example/vllm:1", "imagePullPolicy": "Always"})
+    children = render(document)
+    engine = container(children, role)
+    pod = deployment(children, role)["spec"]["template"]
+
+    assert engine["name"] == "vllm"
+    assert engine["image"] == "registry.example/vllm:1"
+    assert engine["imagePullPolicy"] == "Always"
+    assert engine["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert engine["env"] == [
+        {"name": "COSERVE_ROLE", "value": role},
+        {"name": "COSERVE_CONFIG", "value": "/etc/coserve/engine.json"},
+        {"name": "VLLM_PLUGINS", "value": "coserve"},
+    ]
+    assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert engine["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    assert "securityContext" not in pod["spec"]  # the upstream vLLM image runs as root
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+
+
+@pytest.mark.parametrize("role", ["prefiller", "decoder"])
+def test_engine_probes_give_model_loading_ten_minutes(role: str) -> None:
+    engine = container(render(make_pool()), role)
+
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert engine["startupProbe"]["periodSeconds"] * engine["startupProbe"]["failureThreshold"] == 600
+    assert (engine["livenessProbe"]["periodSeconds"], engine["livenessProbe"]["failureThreshold"]) == (10, 3)
+    assert engine["readinessProbe"]["periodSeconds"] == 5
+
+
+@pytest.mark.parametrize("role", ["prefiller", "decoder"])
+def test_engine_pods_mount_the_config_read_only_and_shared_memory(role: str) -> None:
+    children = render(make_pool())
+    pod = deployment(children, role)["spec"]["template"]["spec"]
+
+    assert pod["volumes"] == [
+        {"name": "config", "configMap": {"name": "chat-config"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "config", "mountPath": "/etc/coserve", "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},  # noqa: S108 (a path in the pod)
+    ]
+
+
+# --- the router -------------------------------------------------------------------------------
+
+
+def test_router_runs_coserve_router_with_restricted_security() -> None:
+    document = make_pool(router={"replicas": 2, "resources": {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}})
+    children = render(document)
+    router = container(children, "router")
+    pod = deployment(children, "router")["spec"]["template"]["spec"]
+
+    assert router["image"] == "ghcr.io/coserve/coserve:0.1.0"
+    assert router["command"] == ["coserve", "router", "--config", "/etc/coserve/router.json", "--port", "8080"]
+    assert router["resources"] == {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert router[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert router["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": 65532, "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert {"name": "config", "configMap": {"name": "chat-config"}} in pod["volumes"]
+    assert {"name": "config", "mountPath": "/etc/coserve", "readOnly": True} in router["volumeMounts"]
+
+
+@pytest.mark.parametrize(
+    ("router", "tag", "expected"),
+    [
+        ({}, None, "ghcr.io/coserve/coserve:0.1.0"),
+        ({}, "0.2.0", "ghcr.io/coserve/coserve:0.2.0"),
+        ({"image": "registry.example/router:7"}, "0.2.0", "registry.example/router:7"),
+        ({"image": "registry.example/router:7"}, None, "registry.example/router:7"),
+    ],
+)
+def test_only_a_router_on_the_default_image_follows_the_operator_tag(
+    router: dict[str, Any], tag: str | None, expected: str
+) -> None:
+    children = render(make_pool(router=router), operator_image_tag=tag)
+
+    assert container(children, "router")["image"] == expected
+    assert container(children, "prefiller")["image"] == "ghcr.io/coserve/vllm:0.1.0"
+
+
+@pytest.mark.parametrize("tag", ["", "-leading-dash", "has space", "x" * 129, "a:b"])
+def test_invalid_operator_tag_is_refused(tag: str) -> None:
+    pool = parse_pool(make_pool())
+    with pytest.raises(ValueError, match="operator_image_tag"):
+        router_image(pool.spec.router, tag)
+
+
+# --- names ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("component", ["prefiller", "decoder", "router", "config"])
+def test_child_name_is_pool_dash_component(component: str) -> None:
+    assert child_name("chat", component) == f"chat-{component}"
+
+
+def test_child_name_refuses_an_unknown_component() -> None:
+    with pytest.raises(ValueError, match="unknown component 'worker'"):
+        child_name("chat", "worker")
+
+
+# --- the shipped examples render --------------------------------------------------------------
+
+
+def load_example(path: Path) -> tuple[CoServePool, Plan]:
+    pool = parse_pool(yaml.safe_load(path.read_text()))
+    measured = None
+    if pool.spec.profile.config_map_ref is not None:
+        profile_document = yaml.safe_load((EXAMPLES_DIR / "profile.yaml").read_text())
+        measured = EngineProfile.model_validate_json(json.dumps(profile_document))
+    return pool, plan_for(pool.spec, measured)
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES_DIR.glob("pool*.yaml")), ids=lambda p: p.name)
+def test_every_example_pool_renders_valid_children(path: Path) -> None:
+    pool, plan = load_example(path)
+
+    children = build_children(pool, plan)
+
+    name = pool.metadata.name
+    assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
+        (kind, child_name(name, full.removeprefix("chat-"))) for kind, full in EXPECTED_ORDER
+    ]
+    assert [p for child in children for p, value in walk(child) if value is None] == []
+    json.dumps(children, allow_nan=False)  # JSON-ready: nothing an API server would refuse to decode
