@@ -9,9 +9,9 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from conftest import CRD_FILE, EXAMPLES
 from pydantic import BaseModel
 
+from conftest import CRD_FILE, EXAMPLES
 from coserve.api import CoServePool, SpecModel, StatusModel, parse_pool
 from coserve.api.crd import _model_type, crd_manifest, openapi_schema
 from coserve.api.parse import parse_profile
@@ -34,9 +34,7 @@ def schema_nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, di
 
 
 def test_committed_crd_is_generated_from_the_models() -> None:
-    assert committed_crd() == crd_manifest(), (
-        "crds/ is stale: run `coserve crd > crds/coserve.dev_coservepools.yaml`"
-    )
+    assert committed_crd() == crd_manifest(), "crds/ is stale: run `coserve crd > crds/coserve.dev_coservepools.yaml`"
 
 
 def test_crd_identity() -> None:
@@ -46,8 +44,12 @@ def test_crd_identity() -> None:
     assert spec["group"] == "coserve.dev"
     assert spec["scope"] == "Namespaced"
     assert spec["names"] == {
-        "kind": "CoServePool", "listKind": "CoServePoolList", "plural": "coservepools",
-        "singular": "coservepool", "shortNames": ["csp"], "categories": ["coserve"],
+        "kind": "CoServePool",
+        "listKind": "CoServePoolList",
+        "plural": "coservepools",
+        "singular": "coservepool",
+        "shortNames": ["csp"],
+        "categories": ["coserve"],
     }
     (version,) = spec["versions"]
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
@@ -128,11 +130,13 @@ def test_server_side_defaults_equal_pydantic_defaults(example: Any) -> None:
 
 
 def test_minimal_spec_defaults_agree() -> None:
-    minimal = {"model": {"name": "m"}, "workload": {"arrivalRatePerS": 1, "inputTokens": 10, "outputTokens": 10,
-                                                    "lifetimeS": 1}, "profile": {}}
+    minimal = {
+        "model": {"name": "m"},
+        "workload": {"arrivalRatePerS": 1, "inputTokens": 10, "outputTokens": 10, "lifetimeS": 1},
+        "profile": {},
+    }
     defaulted = apply_crd_defaults(openapi_schema()["properties"]["spec"], copy.deepcopy(minimal))
-    document = {"apiVersion": "coserve.dev/v1alpha1", "kind": "CoServePool", "metadata": {"name": "m"},
-                "spec": minimal}
+    document = {"apiVersion": "coserve.dev/v1alpha1", "kind": "CoServePool", "metadata": {"name": "m"}, "spec": minimal}
     assert defaulted == parse_pool(document).spec.to_wire()
     assert defaulted["engine"]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     assert [c["name"] for c in defaulted["priorityClasses"]] == ["interactive", "standard", "offline"]
@@ -153,8 +157,9 @@ def test_status_round_trips_through_the_crd_schema() -> None:
 
     pool = parse_pool(yaml.safe_load((EXAMPLES / "pool.yaml").read_text()))
     status = StatusModel.model_validate_json(
-        StatusModel(plan=plan_for(pool.spec), prefillers="1/0", decoders="3/0", observed_generation=1)
-        .model_dump_json(by_alias=True, exclude_none=True)
+        StatusModel(plan=plan_for(pool.spec), prefillers="1/0", decoders="3/0", observed_generation=1).model_dump_json(
+            by_alias=True, exclude_none=True
+        )
     )
     jsonschema.Draft4Validator(openapi_schema()["properties"]["status"]).validate(status.to_wire())
 

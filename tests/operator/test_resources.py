@@ -153,14 +153,16 @@ def test_owner_references_appear_only_when_the_pool_has_a_uid() -> None:
 
     assert all("ownerReferences" not in child["metadata"] for child in without_uid)
     for child in with_uid:
-        assert child["metadata"]["ownerReferences"] == [{
-            "apiVersion": "coserve.dev/v1alpha1",
-            "kind": "CoServePool",
-            "name": "chat",
-            "uid": "6f1c1c9e-0000-4000-8000-000000000001",
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }]
+        assert child["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "coserve.dev/v1alpha1",
+                "kind": "CoServePool",
+                "name": "chat",
+                "uid": "6f1c1c9e-0000-4000-8000-000000000001",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
 
 
 def test_no_value_anywhere_is_none() -> None:
@@ -257,7 +259,10 @@ def test_config_map_holds_engine_and_router_config() -> None:
 
     assert sorted(config_map["data"]) == ["engine.json", "router.json"]
     assert engine["priorityClasses"][0] == {
-        "name": "interactive", "weight": 10.0, "ttftSloMs": 1000.0, "tpotSloMs": 100.0,
+        "name": "interactive",
+        "weight": 10.0,
+        "ttftSloMs": 1000.0,
+        "tpotSloMs": 100.0,
     }
     assert [c["name"] for c in engine["priorityClasses"]] == ["interactive", "standard", "offline"]
     assert engine["offline"] == {"enabled": True, "share": 0.25, "className": "offline"}
@@ -287,9 +292,15 @@ def test_router_config_uses_the_default_namespace_and_the_model_name_when_unset(
 def test_engine_config_has_no_prefill_curve_when_the_profile_comes_only_from_a_config_map() -> None:
     document = make_pool(profile={"configMapRef": {"name": "measured"}})
     pool = parse_pool(document)
-    measured = EngineProfile.model_validate_json(json.dumps({
-        "prefillLatency": {"perTokenS": 0.0001}, "decodeThroughputTokensPerS": 2000.0, "kvCapacityTokens": 400000,
-    }))
+    measured = EngineProfile.model_validate_json(
+        json.dumps(
+            {
+                "prefillLatency": {"perTokenS": 0.0001},
+                "decodeThroughputTokensPerS": 2000.0,
+                "kvCapacityTokens": 400000,
+            }
+        )
+    )
 
     engine = json.loads(build_children(pool, plan_for(pool.spec, measured))[0]["data"]["engine.json"])
 
@@ -401,11 +412,16 @@ def test_engine_args_put_coserve_flags_first_then_engine_then_role_extra_args() 
     decoder_args = container(children, "decoder")["args"]
 
     common = [
-        "--model", "Qwen/Qwen3-8B",
-        "--served-model-name", "qwen",
-        "--port", "8000",
-        "--tensor-parallel-size", "2",
-        "--scheduler-cls", "coserve.engine.scheduler.TDGScheduler",
+        "--model",
+        "Qwen/Qwen3-8B",
+        "--served-model-name",
+        "qwen",
+        "--port",
+        "8000",
+        "--tensor-parallel-size",
+        "2",
+        "--scheduler-cls",
+        "coserve.engine.scheduler.TDGScheduler",
         "--kv-transfer-config",
     ]
     assert prefiller_args[:-3] == common and decoder_args[:-5] == common
@@ -415,14 +431,16 @@ def test_engine_args_put_coserve_flags_first_then_engine_then_role_extra_args() 
 
 
 def test_role_overrides_apply_only_to_their_role() -> None:
-    document = make_pool(engine={
-        "resources": {"limits": {"nvidia.com/gpu": 1}},
-        "decoder": {
-            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L40S"},
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-            "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "48Gi"}, "requests": {"cpu": "8"}},
-        },
-    })
+    document = make_pool(
+        engine={
+            "resources": {"limits": {"nvidia.com/gpu": 1}},
+            "decoder": {
+                "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L40S"},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "48Gi"}, "requests": {"cpu": "8"}},
+            },
+        }
+    )
     children = render(document)
     prefiller_pod = deployment(children, "prefiller")["spec"]["template"]["spec"]
     decoder_pod = deployment(children, "decoder")["spec"]["template"]["spec"]
@@ -430,7 +448,8 @@ def test_role_overrides_apply_only_to_their_role() -> None:
     assert decoder_pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L40S"}
     assert decoder_pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert decoder_pod["containers"][0]["resources"] == {
-        "limits": {"nvidia.com/gpu": 1, "memory": "48Gi"}, "requests": {"cpu": "8"},
+        "limits": {"nvidia.com/gpu": 1, "memory": "48Gi"},
+        "requests": {"cpu": "8"},
     }
     assert "nodeSelector" not in prefiller_pod and "tolerations" not in prefiller_pod
     assert prefiller_pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
@@ -509,7 +528,9 @@ def test_router_runs_coserve_router_with_restricted_security() -> None:
         "capabilities": {"drop": ["ALL"]},
     }
     assert pod["securityContext"] == {
-        "runAsNonRoot": True, "runAsUser": 65532, "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
     assert {"name": "config", "configMap": {"name": "chat-config"}} in pod["volumes"]
     assert {"name": "config", "mountPath": "/etc/coserve", "readOnly": True} in router["volumeMounts"]

@@ -7,10 +7,10 @@ import math
 from typing import Any
 
 import pytest
-from conftest import sanity_document
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import sanity_document
 from coserve.api import Bottleneck, InvalidInput, parse_pool
 from coserve.api.status import Plan
 from coserve.provisioning import make_plan, plan_for, resolve_profile
@@ -89,8 +89,15 @@ def test_zero_rate_gives_one_replica_per_role_and_says_why() -> None:
 def test_explanation_names_every_number() -> None:
     plan = plan_of(sanity_document())
     text = "\n".join(plan.explanation)
-    for needle in ("T_p = 15000", "R* = T_p / L_in", "prefillers M = ceil", "B = floor", "decoders N = ceil",
-                   "DecoderThroughput binds", "saturates first"):
+    for needle in (
+        "T_p = 15000",
+        "R* = T_p / L_in",
+        "prefillers M = ceil",
+        "B = floor",
+        "decoders N = ceil",
+        "DecoderThroughput binds",
+        "saturates first",
+    ):
         assert needle in text
 
 
@@ -103,9 +110,12 @@ def test_decoders_saturating_first_is_warned() -> None:
 def test_autoscaling_bounds_clamp_and_warn() -> None:
     document = with_changes(
         sanity_document(arrivalRatePerS=20.0),
-        autoscaling={"enabled": True, "prometheusUrl": "http://prom:9090",
-                     "prefillers": {"minReplicas": 1, "maxReplicas": 4},
-                     "decoders": {"minReplicas": 3, "maxReplicas": 5}},
+        autoscaling={
+            "enabled": True,
+            "prometheusUrl": "http://prom:9090",
+            "prefillers": {"minReplicas": 1, "maxReplicas": 4},
+            "decoders": {"minReplicas": 3, "maxReplicas": 5},
+        },
     )
     plan = plan_of(document)
     assert (plan.prefillers, plan.decoders) == (4, 5)
@@ -120,8 +130,8 @@ def test_inline_fields_override_measured_profile() -> None:
     document = sanity_document()
     document["spec"]["profile"] = {"configMapRef": {"name": "measured"}, "kvCapacityTokens": 600_000}
     measured = EngineProfile.model_validate(
-        {"prefillLatency": {"perTokenS": 1 / 25_000}, "decodeThroughputTokensPerS": 1_000.0,
-         "kvCapacityTokens": 10}, strict=False,
+        {"prefillLatency": {"perTokenS": 1 / 25_000}, "decodeThroughputTokensPerS": 1_000.0, "kvCapacityTokens": 10},
+        strict=False,
     )
     plan = plan_for(parse_pool(document).spec, measured)
     assert plan.kv_slots_per_decoder == 600_000 // 16_000
@@ -148,10 +158,18 @@ lifetimes = st.floats(min_value=0.5, max_value=3_600.0, allow_nan=False)
 headrooms = st.floats(min_value=1.0, max_value=3.0, allow_nan=False)
 
 
-def general_document(rate: float, decode_tps: float, kv_tokens: int, lifetime: float, headroom: float,
-                     input_tokens: int = 4_000, output_tokens: int = 500) -> dict[str, Any]:
-    document = sanity_document(arrivalRatePerS=rate, lifetimeS=lifetime, inputTokens=input_tokens,
-                               outputTokens=output_tokens)
+def general_document(
+    rate: float,
+    decode_tps: float,
+    kv_tokens: int,
+    lifetime: float,
+    headroom: float,
+    input_tokens: int = 4_000,
+    output_tokens: int = 500,
+) -> dict[str, Any]:
+    document = sanity_document(
+        arrivalRatePerS=rate, lifetimeS=lifetime, inputTokens=input_tokens, outputTokens=output_tokens
+    )
     document["spec"]["headroom"] = headroom
     profile = document["spec"]["profile"]
     profile["decodeThroughputTokensPerS"] = decode_tps
@@ -161,8 +179,14 @@ def general_document(rate: float, decode_tps: float, kv_tokens: int, lifetime: f
 
 
 @settings(max_examples=150, deadline=None)
-@given(rate=rates, decode_tps=positive, kv=st.integers(5_000, 2_000_000), lifetime=lifetimes, headroom=headrooms,
-       factor=st.floats(min_value=1.0, max_value=10.0))
+@given(
+    rate=rates,
+    decode_tps=positive,
+    kv=st.integers(5_000, 2_000_000),
+    lifetime=lifetimes,
+    headroom=headrooms,
+    factor=st.floats(min_value=1.0, max_value=10.0),
+)
 def test_more_decoder_throughput_or_kv_never_raises_decoders(
     rate: float, decode_tps: float, kv: int, lifetime: float, headroom: float, factor: float
 ) -> None:
@@ -174,8 +198,14 @@ def test_more_decoder_throughput_or_kv_never_raises_decoders(
 
 
 @settings(max_examples=150, deadline=None)
-@given(rate=rates, decode_tps=positive, kv=st.integers(5_000, 2_000_000), lifetime=lifetimes, headroom=headrooms,
-       extra=st.floats(min_value=0.0, max_value=20.0))
+@given(
+    rate=rates,
+    decode_tps=positive,
+    kv=st.integers(5_000, 2_000_000),
+    lifetime=lifetimes,
+    headroom=headrooms,
+    extra=st.floats(min_value=0.0, max_value=20.0),
+)
 def test_replicas_are_monotone_in_rate_and_decoders_cover_the_design_rate(
     rate: float, decode_tps: float, kv: int, lifetime: float, headroom: float, extra: float
 ) -> None:
@@ -208,8 +238,10 @@ def test_long_prompts_drive_saturation_rate_toward_zero(input_tokens: int) -> No
     document = general_document(0.1, 1_000.0, 10**9, 10.0, 1.0, input_tokens=input_tokens)
     longer = general_document(0.1, 1_000.0, 10**9, 10.0, 1.0, input_tokens=input_tokens * 10)
     assert raw_plan(longer).saturation_rate_per_s < raw_plan(document).saturation_rate_per_s
-    assert raw_plan(general_document(0.1, 1_000.0, 10**12, 10.0, 1.0, input_tokens=10_000_000)
-                   ).saturation_rate_per_s < 1e-3
+    assert (
+        raw_plan(general_document(0.1, 1_000.0, 10**12, 10.0, 1.0, input_tokens=10_000_000)).saturation_rate_per_s
+        < 1e-3
+    )
 
 
 def test_replica_limit_is_a_problem_not_a_plan() -> None:

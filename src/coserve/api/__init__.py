@@ -40,10 +40,6 @@ from coserve.api.status import (
 )
 
 __all__ = [
-    "InvalidInput",
-    "Problem",
-    "parse_pool",
-    "parse_spec",
     "API_VERSION",
     "DEFAULT_PRIORITY_CLASSES",
     "GROUP",
@@ -59,6 +55,7 @@ __all__ = [
     "ConditionType",
     "ConfigMapProfileRef",
     "EngineSpec",
+    "InvalidInput",
     "KVOffloadBackend",
     "KVOffloadSpec",
     "ModelSpec",
@@ -68,6 +65,7 @@ __all__ = [
     "PlanUtilization",
     "PrefillLatencyCurve",
     "PriorityClassSpec",
+    "Problem",
     "ProfileSpec",
     "ReplicaBounds",
     "ReplicaStatus",
@@ -79,4 +77,6 @@ __all__ = [
     "StatusModel",
     "Toleration",
     "WorkloadSpec",
+    "parse_pool",
+    "parse_spec",
 ]

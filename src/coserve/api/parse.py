@@ -60,7 +60,11 @@ def _identity_problems(document: Mapping[str, Any]) -> list[Problem]:
     if kind is not None and kind != KIND:
         problems.append(Problem("kind", f"must be {KIND}, got {kind!r}: this file describes another kind of object"))
     if api_version is not None and api_version != API_VERSION:
-        hint = " (coserve serves only v1alpha1)" if isinstance(api_version, str) and api_version.startswith("coserve.dev/") else ""
+        hint = (
+            " (coserve serves only v1alpha1)"
+            if isinstance(api_version, str) and api_version.startswith("coserve.dev/")
+            else ""
+        )
         problems.append(Problem("apiVersion", f"must be {API_VERSION}, got {api_version!r}{hint}"))
     return problems
 

@@ -18,7 +18,7 @@ T_d = ``profile.decode_throughput_tokens_per_s``, B = KV slots derived from
 from __future__ import annotations
 
 import re
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import BeforeValidator, Field, WithJsonSchema
@@ -26,6 +26,7 @@ from pydantic import BeforeValidator, Field, WithJsonSchema
 from coserve.api._base import ApiModel
 
 __all__ = [
+    "DEFAULT_PRIORITY_CLASSES",
     "AutoscalingSpec",
     "ConfigMapProfileRef",
     "EngineSpec",
@@ -43,7 +44,6 @@ __all__ = [
     "SpecModel",
     "Toleration",
     "WorkloadSpec",
-    "DEFAULT_PRIORITY_CLASSES",
 ]
 
 # Kubernetes resource.Quantity, as apimachinery parses it ("500m", "16Gi", "1e3").
@@ -89,12 +89,12 @@ class ResourceRequirements(ApiModel):
     )
 
 
-class TolerationOperator(str, Enum):
+class TolerationOperator(StrEnum):
     EXISTS = "Exists"
     EQUAL = "Equal"
 
 
-class TaintEffect(str, Enum):
+class TaintEffect(StrEnum):
     NO_SCHEDULE = "NoSchedule"
     PREFER_NO_SCHEDULE = "PreferNoSchedule"
     NO_EXECUTE = "NoExecute"
@@ -108,7 +108,9 @@ class Toleration(ApiModel):
         default=TolerationOperator.EQUAL,
         description="operator is Exists (any value) or Equal (value must match).",
     )
-    value: str | None = Field(default=None, max_length=63, description="value is the taint value to match when operator is Equal.")
+    value: str | None = Field(
+        default=None, max_length=63, description="value is the taint value to match when operator is Equal."
+    )
     effect: TaintEffect | None = Field(
         default=None, description="effect is the taint effect to match; empty matches every effect."
     )
@@ -223,9 +225,7 @@ class PrefillLatencyCurve(ApiModel):
     constant_s: float = Field(
         default=0.0, ge=0, le=3600, description="constantS is the fixed cost a of one prefill, in seconds."
     )
-    per_token_s: float = Field(
-        ge=0, le=10, description="perTokenS is the linear coefficient b, in seconds per token."
-    )
+    per_token_s: float = Field(ge=0, le=10, description="perTokenS is the linear coefficient b, in seconds per token.")
     per_token_squared_s: float = Field(
         default=0.0,
         ge=0,
@@ -242,11 +242,15 @@ class ConfigMapProfileRef(ApiModel):
     """Where a profile written by `coserve profile` is stored in the cluster."""
 
     name: str = Field(
-        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
         description="name of the ConfigMap, in the pool's namespace.",
     )
     key: str = Field(
-        default="profile.yaml", min_length=1, max_length=253,
+        default="profile.yaml",
+        min_length=1,
+        max_length=253,
         description="key of the ConfigMap entry that holds the profile YAML.",
     )
 
@@ -292,12 +296,12 @@ class PriorityClassSpec(ApiModel):
     """One tenant priority class with its latency objectives."""
 
     name: str = Field(
-        min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN,
+        min_length=1,
+        max_length=63,
+        pattern=DNS_LABEL_PATTERN,
         description="name is how requests select the class (vllm_xargs coserve_class, or the router's header).",
     )
-    weight: float = Field(
-        gt=0, le=1_000_000, description="weight is the gain of one on-time token of this class."
-    )
+    weight: float = Field(gt=0, le=1_000_000, description="weight is the gain of one on-time token of this class.")
     ttft_slo_ms: float = Field(
         gt=0, le=86_400_000, description="ttftSloMs is the time-to-first-token objective, in milliseconds."
     )
@@ -333,7 +337,7 @@ class OfflineSpec(ApiModel):
     )
 
 
-class KVOffloadBackend(str, Enum):
+class KVOffloadBackend(StrEnum):
     HOST = "host"
     LMCACHE = "lmcache"
     NATIVE = "native"

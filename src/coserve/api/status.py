@@ -8,7 +8,7 @@ conventions: one entry per ``type``, ``lastTransitionTime`` moves only when
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 from pydantic import Field
 
@@ -21,13 +21,13 @@ __all__ = [
     "ConditionType",
     "Plan",
     "PlanUtilization",
-    "RoleReplicas",
     "ReplicaStatus",
+    "RoleReplicas",
     "StatusModel",
 ]
 
 
-class ConditionType(str, Enum):
+class ConditionType(StrEnum):
     READY = "Ready"
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
@@ -35,7 +35,7 @@ class ConditionType(str, Enum):
     AUTOSCALING_ACTIVE = "AutoscalingActive"
 
 
-class ConditionStatus(str, Enum):
+class ConditionStatus(StrEnum):
     TRUE = "True"
     FALSE = "False"
     UNKNOWN = "Unknown"
@@ -44,7 +44,9 @@ class ConditionStatus(str, Enum):
 class Condition(ApiModel):
     """One aspect of the pool's state, as in metav1.Condition."""
 
-    type: ConditionType = Field(description="type of the condition: Ready, Progressing, Degraded, PlanValid or AutoscalingActive.")
+    type: ConditionType = Field(
+        description="type of the condition: Ready, Progressing, Degraded, PlanValid or AutoscalingActive."
+    )
     status: ConditionStatus = Field(description="status is True, False or Unknown.")
     reason: str = Field(
         min_length=1,
@@ -62,7 +64,7 @@ class Condition(ApiModel):
     )
 
 
-class Bottleneck(str, Enum):
+class Bottleneck(StrEnum):
     """Which resource of the pool saturates first as load rises."""
 
     PREFILLER = "Prefiller"
@@ -102,7 +104,7 @@ class Plan(ApiModel):
         ge=0, description="decodersPerPrefiller is the decoders one saturated prefiller needs, before headroom."
     )
     binding_constraint: Bottleneck = Field(
-        description="bindingConstraint is the decoder constraint (DecoderThroughput or DecoderMemory) that set decoders."
+        description="bindingConstraint is the decoder constraint that set decoders: DecoderThroughput or DecoderMemory."
     )
     bottleneck: Bottleneck = Field(description="bottleneck is the resource that saturates first as load rises.")
     utilization: PlanUtilization = Field(description="utilization at the target arrival rate.")

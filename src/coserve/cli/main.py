@@ -58,8 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - the last line of defence: no traceback for users
         if os.environ.get("COSERVE_DEBUG") == "1":
             traceback.print_exc()
-        print(f"coserve: internal error: {type(error).__name__}: {error} (set COSERVE_DEBUG=1 for details)",
-              file=sys.stderr)
+        print(
+            f"coserve: internal error: {type(error).__name__}: {error} (set COSERVE_DEBUG=1 for details)",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
 
 
@@ -78,8 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         "chooses, with the reasoning behind each number.",
     )
     plan.add_argument("file", metavar="FILE", help="CoServePool manifest (YAML or JSON); - reads stdin")
-    plan.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table",
-                      help="output format (default: table)")
+    plan.add_argument(
+        "-o", "--output", choices=("table", "json", "yaml"), default="table", help="output format (default: table)"
+    )
     _add_profile_option(plan)
     plan.set_defaults(handler=_cmd_plan)
 
@@ -90,8 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         "CoServePool manifest (the same code the operator runs).",
     )
     render.add_argument("file", metavar="FILE", help="CoServePool manifest (YAML or JSON); - reads stdin")
-    render.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml",
-                        help="output format (default: yaml)")
+    render.add_argument(
+        "-o", "--output", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)"
+    )
     _add_profile_option(render)
     render.set_defaults(handler=_cmd_render)
 
@@ -167,10 +171,18 @@ def _print_table(pool: CoServePool, plan: Plan, stream: TextIO) -> None:
     spec = pool.spec
     namespace = pool.metadata.namespace or "default"
     rows = [
-        ("prefillers", str(plan.prefillers),
-         f"one saturates at R* = {plan.saturation_rate_per_s:.4g} conv/s; the pool at {plan.pool_saturation_rate_per_s:.4g}"),
-        ("decoders", str(plan.decoders),
-         f"{plan.binding_constraint.value} binds; {plan.decoders_per_prefiller:.3g} per saturated prefiller before headroom"),
+        (
+            "prefillers",
+            str(plan.prefillers),
+            f"one saturates at R* = {plan.saturation_rate_per_s:.4g} conv/s; "
+            f"the pool at {plan.pool_saturation_rate_per_s:.4g}",
+        ),
+        (
+            "decoders",
+            str(plan.decoders),
+            f"{plan.binding_constraint.value} binds; "
+            f"{plan.decoders_per_prefiller:.3g} per saturated prefiller before headroom",
+        ),
         ("bottleneck", plan.bottleneck.value, "saturates first as load rises"),
         ("prefill throughput", f"{plan.prefill_throughput_tokens_per_s:,.0f}", "tokens/s per prefiller (T_p)"),
         ("KV slots", str(plan.kv_slots_per_decoder), "conversations per decoder (B)"),

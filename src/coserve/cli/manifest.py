@@ -34,21 +34,23 @@ class _StrictLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._aliases_seen = 0
 
-    def compose_node(self, parent: Node | None, index: object) -> Node | None:
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
         if self.check_event(yaml.AliasEvent):
             self._aliases_seen += 1
             if self._aliases_seen > _MAX_ALIASES:
-                event = self.peek_event()
+                event = self.peek_event()  # type: ignore[no-untyped-call]
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"more than {_MAX_ALIASES} YAML aliases (refusing a possible alias bomb)",
+                    None,
+                    None,
+                    f"more than {_MAX_ALIASES} YAML aliases (refusing a possible alias bomb)",
                     event.start_mark,
                 )
-        return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[object] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (dict, list)):
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping", node.start_mark, "a key must be a scalar", key_node.start_mark
@@ -65,7 +67,6 @@ _StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_StrictLoader.add_constructor("tag:yaml.org,2002:map", _StrictLoader.construct_yaml_map)
 
 
 def read_text(data: bytes) -> str:
@@ -83,7 +84,7 @@ def read_text(data: bytes) -> str:
 def load_documents(text: str) -> list[object]:
     """All non-empty YAML documents in ``text``; ``InvalidInput`` with line and column on a syntax error."""
     try:
-        documents = list(yaml.load_all(text, Loader=_StrictLoader))  # noqa: S506 - a SafeLoader subclass
+        documents = list(yaml.load_all(text, Loader=_StrictLoader))
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

@@ -172,14 +172,16 @@ def owner_references(pool: CoServePool) -> list[dict[str, Any]]:
     """
     if pool.metadata.uid is None:
         return []
-    return [{
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": pool.metadata.name,
-        "uid": pool.metadata.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }]
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": pool.metadata.name,
+            "uid": pool.metadata.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
 
 
 def _metadata(pool: CoServePool, component: Component) -> Manifest:
@@ -282,12 +284,18 @@ def engine_args(spec: SpecModel, role: EngineRole) -> list[str]:
     engine = spec.engine
     kv_json = json.dumps(kv_transfer_config(spec, role), sort_keys=True, separators=(",", ":"))
     return [
-        "--model", model.name,
-        "--served-model-name", model.served_model_name or model.name,
-        "--port", str(ENGINE_PORT),
-        "--tensor-parallel-size", str(engine.tensor_parallel_size),
-        "--scheduler-cls", SCHEDULER_CLS,
-        "--kv-transfer-config", kv_json,
+        "--model",
+        model.name,
+        "--served-model-name",
+        model.served_model_name or model.name,
+        "--port",
+        str(ENGINE_PORT),
+        "--tensor-parallel-size",
+        str(engine.tensor_parallel_size),
+        "--scheduler-cls",
+        SCHEDULER_CLS,
+        "--kv-transfer-config",
+        kv_json,
         *engine.extra_args,
         *(_role_overrides(engine, role).extra_args or []),
     ]
@@ -451,20 +459,28 @@ def _service(pool: CoServePool, component: Component, spec: Manifest) -> Manifes
 
 
 def _router_service(pool: CoServePool) -> Manifest:
-    return _service(pool, "router", {
-        "type": "ClusterIP",
-        "ports": [{"name": PORT_NAME, "port": ROUTER_SERVICE_PORT, "targetPort": ROUTER_PORT, "protocol": "TCP"}],
-    })
+    return _service(
+        pool,
+        "router",
+        {
+            "type": "ClusterIP",
+            "ports": [{"name": PORT_NAME, "port": ROUTER_SERVICE_PORT, "targetPort": ROUTER_PORT, "protocol": "TCP"}],
+        },
+    )
 
 
 def _engine_service(pool: CoServePool, role: EngineRole) -> Manifest:
     # Headless: the router pins conversations to individual engine pods, so it needs
     # their addresses, not one virtual IP; only ready pods are published.
-    return _service(pool, role, {
-        "clusterIP": "None",
-        "publishNotReadyAddresses": False,
-        "ports": [{"name": PORT_NAME, "port": ENGINE_PORT, "targetPort": ENGINE_PORT, "protocol": "TCP"}],
-    })
+    return _service(
+        pool,
+        role,
+        {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "ports": [{"name": PORT_NAME, "port": ENGINE_PORT, "targetPort": ENGINE_PORT, "protocol": "TCP"}],
+        },
+    )
 
 
 def _without_none(value: Any) -> Any:

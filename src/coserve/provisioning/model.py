@@ -92,10 +92,12 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
     warnings: list[str] = []
     autoscaling = spec.autoscaling
     if autoscaling.enabled:
-        prefillers = _clamp("prefillers", prefillers, autoscaling.prefillers.min_replicas,
-                            autoscaling.prefillers.max_replicas, warnings)
-        decoders = _clamp("decoders", decoders, autoscaling.decoders.min_replicas,
-                          autoscaling.decoders.max_replicas, warnings)
+        prefillers = _clamp(
+            "prefillers", prefillers, autoscaling.prefillers.min_replicas, autoscaling.prefillers.max_replicas, warnings
+        )
+        decoders = _clamp(
+            "decoders", decoders, autoscaling.decoders.min_replicas, autoscaling.decoders.max_replicas, warnings
+        )
         pool_saturation = prefillers * saturation_rate
 
     capacities = Capacities(
@@ -105,9 +107,10 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
     )
     bottleneck = capacities.first_bottleneck()
     if bottleneck is not Bottleneck.PREFILLER:
+        decoder_limit = min(capacities.decoder_throughput_per_s, capacities.decoder_memory_per_s)
         warnings.append(
-            f"decoders saturate first ({_rate(min(capacities.decoder_throughput_per_s, capacities.decoder_memory_per_s))}"
-            f" conversations/s, {bottleneck.value}) before the prefillers ({_rate(pool_saturation)}): traffic above "
+            f"decoders saturate first ({_rate(decoder_limit)} conversations/s, {bottleneck.value}) before "
+            f"the prefillers ({_rate(pool_saturation)}): traffic above "
             "that rate would queue where the router cannot see it; raise spec.headroom or enable autoscaling"
         )
     utilization = PlanUtilization(

@@ -64,7 +64,8 @@ def resolve_profile(spec: SpecModel, measured: EngineProfile | None = None) -> R
         live = spec.workload.input_tokens + spec.workload.output_tokens
     if problems:
         raise InvalidInput(problems)
-    assert isinstance(curve, PrefillLatencyCurve) and isinstance(decode, float) and isinstance(kv, int)
+    if not (isinstance(curve, PrefillLatencyCurve) and isinstance(decode, float) and isinstance(kv, int)):
+        raise TypeError("spec.profile fields have unexpected types")  # unreachable after validation
     origin = f"ConfigMap {ref.name}" if ref is not None else "the --profile file"
     source = f"{', '.join(taken)} from {origin}, the rest from spec.profile" if taken else "spec.profile"
     return ResolvedProfile(curve, decode, kv, live, source)

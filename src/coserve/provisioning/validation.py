@@ -13,7 +13,7 @@ from coserve.api.spec import KVOffloadBackend, SpecModel
 from coserve.provisioning.model import MAX_REPLICAS_PER_ROLE, make_plan
 from coserve.provisioning.profile import ResolvedProfile
 
-__all__ = ["check_spec", "check_plan_limits", "spec_warnings"]
+__all__ = ["check_plan_limits", "check_spec", "spec_warnings"]
 
 
 def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
@@ -23,18 +23,22 @@ def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
 
     latency_s = profile.prefill_latency.latency_s(workload.input_tokens)
     if latency_s <= 0:
-        problems.append(Problem(
-            "spec.profile.prefillLatency",
-            f"predicts zero latency for a {workload.input_tokens}-token prefill, i.e. infinite prefill "
-            "throughput; set perTokenS (seconds per token) to a positive value",
-        ))
+        problems.append(
+            Problem(
+                "spec.profile.prefillLatency",
+                f"predicts zero latency for a {workload.input_tokens}-token prefill, i.e. infinite prefill "
+                "throughput; set perTokenS (seconds per token) to a positive value",
+            )
+        )
     if profile.kv_capacity_tokens < profile.live_context_tokens:
-        problems.append(Problem(
-            "spec.profile.kvCapacityTokens",
-            f"{profile.kv_capacity_tokens} KV tokens cannot hold even one conversation of "
-            f"{profile.live_context_tokens} live tokens (spec.profile.liveContextTokens, default "
-            "inputTokens + outputTokens)",
-        ))
+        problems.append(
+            Problem(
+                "spec.profile.kvCapacityTokens",
+                f"{profile.kv_capacity_tokens} KV tokens cannot hold even one conversation of "
+                f"{profile.live_context_tokens} live tokens (spec.profile.liveContextTokens, default "
+                "inputTokens + outputTokens)",
+            )
+        )
 
     names = [c.name for c in spec.priority_classes]
     for index, name in enumerate(names):
@@ -43,32 +47,40 @@ def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
     never_meetable_ms = profile.prefill_latency.constant_s * 1000
     for index, cls in enumerate(spec.priority_classes):
         if cls.ttft_slo_ms < never_meetable_ms:
-            problems.append(Problem(
-                f"spec.priorityClasses[{index}].ttftSloMs",
-                f"{cls.ttft_slo_ms:g} ms is below the fixed prefill cost of {never_meetable_ms:g} ms "
-                "(spec.profile.prefillLatency.constantS): no request of this class could ever meet it",
-            ))
+            problems.append(
+                Problem(
+                    f"spec.priorityClasses[{index}].ttftSloMs",
+                    f"{cls.ttft_slo_ms:g} ms is below the fixed prefill cost of {never_meetable_ms:g} ms "
+                    "(spec.profile.prefillLatency.constantS): no request of this class could ever meet it",
+                )
+            )
     if spec.offline.enabled and spec.offline.class_name not in names:
-        problems.append(Problem(
-            "spec.offline.className",
-            f"{spec.offline.class_name!r} is not one of spec.priorityClasses ({', '.join(names)})",
-        ))
+        problems.append(
+            Problem(
+                "spec.offline.className",
+                f"{spec.offline.class_name!r} is not one of spec.priorityClasses ({', '.join(names)})",
+            )
+        )
 
     offload = spec.kv_offload
     if offload.enabled and offload.backend is KVOffloadBackend.HOST and offload.host_memory_bytes == 0:
-        problems.append(Problem(
-            "spec.kvOffload.hostMemoryBytes",
-            "is 0 while the host backend is enabled: give the host KV pool some bytes or disable kvOffload",
-        ))
+        problems.append(
+            Problem(
+                "spec.kvOffload.hostMemoryBytes",
+                "is 0 while the host backend is enabled: give the host KV pool some bytes or disable kvOffload",
+            )
+        )
 
     scaling = spec.autoscaling
     for role in ("prefillers", "decoders"):
         bounds = getattr(scaling, role)
         if bounds.min_replicas > bounds.max_replicas:
-            problems.append(Problem(
-                f"spec.autoscaling.{role}.minReplicas",
-                f"{bounds.min_replicas} is above maxReplicas {bounds.max_replicas}",
-            ))
+            problems.append(
+                Problem(
+                    f"spec.autoscaling.{role}.minReplicas",
+                    f"{bounds.min_replicas} is above maxReplicas {bounds.max_replicas}",
+                )
+            )
     if scaling.enabled and scaling.prometheus_url is None:
         problems.append(Problem("spec.autoscaling.prometheusUrl", "is required when autoscaling is enabled"))
 
@@ -83,11 +95,13 @@ def check_plan_limits(spec: SpecModel, profile: ResolvedProfile) -> list[Problem
     problems = []
     for role, count in (("prefillers", plan.prefillers), ("decoders", plan.decoders)):
         if count > MAX_REPLICAS_PER_ROLE:
-            problems.append(Problem(
-                "spec.workload.arrivalRatePerS",
-                f"needs {count} {role}, more than the {MAX_REPLICAS_PER_ROLE} one pool supports; "
-                "check the workload and profile numbers for a unit error, or split the pool",
-            ))
+            problems.append(
+                Problem(
+                    "spec.workload.arrivalRatePerS",
+                    f"needs {count} {role}, more than the {MAX_REPLICAS_PER_ROLE} one pool supports; "
+                    "check the workload and profile numbers for a unit error, or split the pool",
+                )
+            )
     return problems
 
 

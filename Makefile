@@ -1,0 +1,45 @@
+# Everything installs into .venv from nothing; `make demo` and `make test` are the
+# two commands the README promises on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: demo test lint typecheck imports unit e2e crd clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $@
+
+## demo: size the sample pool (order 5 turns this into a local pool)
+demo: $(STAMP)
+	$(BIN)/coserve plan examples/pool.yaml
+
+## test: lint, type-check, import contracts and the whole test suite
+test: lint typecheck imports unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests e2e benchmarks
+	$(BIN)/ruff format --check src tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+imports: $(STAMP)
+	$(BIN)/lint-imports
+
+unit: $(STAMP)
+	$(BIN)/pytest
+
+## e2e: tests against the cluster in KUBECONFIG (skips without one)
+e2e: $(STAMP)
+	$(BIN)/pytest e2e -m e2e
+
+## crd: regenerate crds/ from the API models
+crd: $(STAMP)
+	$(BIN)/coserve crd > crds/coserve.dev_coservepools.yaml
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
