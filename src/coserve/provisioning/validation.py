@@ -15,6 +15,9 @@ from coserve.provisioning.profile import ResolvedProfile
 
 __all__ = ["check_plan_limits", "check_spec", "spec_warnings"]
 
+# No real prefill of any length takes less than a microsecond; below that the curve is a unit error.
+_MIN_PREFILL_LATENCY_S = 1e-6
+
 
 def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
     """Every semantic problem of ``spec`` with ``profile``; empty when the plan can be made."""
@@ -22,12 +25,12 @@ def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
     workload = spec.workload
 
     latency_s = profile.prefill_latency.latency_s(workload.input_tokens)
-    if latency_s <= 0:
+    if latency_s < _MIN_PREFILL_LATENCY_S:
         problems.append(
             Problem(
                 "spec.profile.prefillLatency",
-                f"predicts zero latency for a {workload.input_tokens}-token prefill, i.e. infinite prefill "
-                "throughput; set perTokenS (seconds per token) to a positive value",
+                f"predicts {latency_s:.3g} s for a {workload.input_tokens}-token prefill, i.e. practically "
+                "infinite prefill throughput; check the units (seconds, and seconds per token for perTokenS)",
             )
         )
     if profile.kv_capacity_tokens < profile.live_context_tokens:
@@ -95,10 +98,11 @@ def check_plan_limits(spec: SpecModel, profile: ResolvedProfile) -> list[Problem
     problems = []
     for role, count in (("prefillers", plan.prefillers), ("decoders", plan.decoders)):
         if count > MAX_REPLICAS_PER_ROLE:
+            shown = f"{count}" if count < 10**9 else f"about {float(count):.1e}"
             problems.append(
                 Problem(
                     "spec.workload.arrivalRatePerS",
-                    f"needs {count} {role}, more than the {MAX_REPLICAS_PER_ROLE} one pool supports; "
+                    f"needs {shown} {role}, more than the {MAX_REPLICAS_PER_ROLE} one pool supports; "
                     "check the workload and profile numbers for a unit error, or split the pool",
                 )
             )
