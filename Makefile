@@ -22,7 +22,7 @@ test: lint typecheck imports unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests e2e benchmarks
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff format --check src tests e2e
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -229,7 +229,7 @@ def test_decoders_grow_linearly_in_rate(k: int, headroom: float) -> None:
     plan = raw_plan(document)
     exact = headroom * k * plan.decoders_per_prefiller
     assert plan.prefillers == k
-    assert exact <= plan.decoders < exact + 1 + 1e-6
+    assert exact - 1e-6 <= plan.decoders < exact + 1 + 1e-6  # _ceil forgives float noise
 
 
 @settings(max_examples=50, deadline=None)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Create (or reuse) the kind cluster `coserve-e2e`, write its kubeconfig to a file of its own and
+# install the CoServePool CRD. Needs Docker, kind and kubectl. Progress goes to stderr; stdout is
+# one `export KUBECONFIG=...` line, so:
+#
+#   eval "$(e2e/kind-up.sh)" && make e2e
+#   kind delete cluster --name coserve-e2e      # when done
+#
+# Environment: KIND_NODE_IMAGE (kindest/node image, default: kind's own), E2E_KUBECONFIG (where the
+# kubeconfig goes, default ~/.kube/kind-coserve-e2e.yaml; your ~/.kube/config is left alone).
+set -euo pipefail
+
+cluster=coserve-e2e
+kubeconfig="${E2E_KUBECONFIG:-${HOME}/.kube/kind-${cluster}.yaml}"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+for tool in docker kind kubectl; do
+  if ! command -v "${tool}" >/dev/null 2>&1; then
+    echo "kind-up: ${tool} is not on PATH" >&2
+    exit 1
+  fi
+done
+if ! docker info >/dev/null 2>&1; then
+  echo "kind-up: the Docker engine is not reachable (kind runs its nodes as containers)" >&2
+  exit 1
+fi
+
+clusters="$(kind get clusters 2>/dev/null)"
+if grep -qx "${cluster}" <<<"${clusters}"; then
+  echo "kind-up: reusing kind cluster ${cluster}" >&2
+else
+  create_args=(--name "${cluster}" --wait 120s)
+  if [[ -n "${KIND_NODE_IMAGE:-}" ]]; then
+    create_args+=(--image "${KIND_NODE_IMAGE}")
+  fi
+  kind create cluster "${create_args[@]}" >&2
+fi
+
+mkdir -p "$(dirname "${kubeconfig}")"
+kind export kubeconfig --name "${cluster}" --kubeconfig "${kubeconfig}" >&2
+
+export KUBECONFIG="${kubeconfig}"
+kubectl apply --server-side --field-manager=coserve-e2e --force-conflicts -f "${root}/crds/" >&2
+kubectl wait --for condition=established crd/coservepools.coserve.dev --timeout=60s >&2
+
+echo "export KUBECONFIG=${kubeconfig}"
