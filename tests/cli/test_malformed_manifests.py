@@ -160,7 +160,7 @@ def doubling_bomb(levels: int) -> bytes:
     return (BASE_TEXT + "\n".join(rows) + "\n").encode()
 
 
-_RNG = random.Random(20_261_120)  # noqa: S311 - seeded test data, not a secret
+_RNG = random.Random(20_261_120)
 RANDOM_WITH_NULS = _RNG.randbytes(200) + b"\x00" + _RNG.randbytes(200)
 RANDOM_HIGH_BYTES = bytes(_RNG.randrange(0x80, 0x100) for _ in range(400))  # no NUL, never UTF-8
 PNG_HEADER = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10\x00\x00\x00\x10\x08\x06\x00\x00\x00"

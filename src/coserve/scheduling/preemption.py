@@ -1,0 +1,58 @@
+"""When to raise the layer-safepoint preemption flag (pure decision).
+
+The engine runs one step at a time. When a request arrives while a step is in
+flight, the scheduler asks ``should_preempt``: abandoning the step at the next
+layer boundary pays off only if
+
+- the step holds nothing as important as the arrival (every request in it is
+  of a strictly lower class), and
+- waiting for the step to finish would break the arrival's next deadline,
+  while starting it now (after about one layer) would still meet it.
+
+Who calls it: the coserve scheduler adapter, from the engine core's
+add-request path; the worker then sees the flag at its next safepoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from coserve.scheduling.cost_model import StepCostModel
+from coserve.scheduling.requests import SchedRequest
+
+__all__ = ["PreemptionDecision", "RunningStep", "should_preempt"]
+
+
+@dataclass(frozen=True)
+class RunningStep:
+    """The step in flight: when it started, how long it was predicted to take, and its classes' ranks."""
+
+    started_s: float
+    predicted_s: float
+    class_ranks: Sequence[int]
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class PreemptionDecision:
+    preempt: bool
+    reason: str
+
+
+def should_preempt(
+    step: RunningStep, arrival: SchedRequest, now_s: float, cost_model: StepCostModel
+) -> PreemptionDecision:
+    """Decide for one arrival; ``reason`` is logged and exported as a metric label."""
+    if not step.class_ranks:
+        return PreemptionDecision(False, "idle")
+    if min(step.class_ranks) <= arrival.cls.rank:
+        return PreemptionDecision(False, "step-holds-equal-or-higher-class")
+    own_s = cost_model.latency_s(arrival.remaining_prefill_tokens, arrival.num_computed_tokens)
+    remaining_step_s = max(step.started_s + step.predicted_s - now_s, 0.0)
+    if now_s + remaining_step_s + own_s <= arrival.next_deadline_s:
+        return PreemptionDecision(False, "deadline-met-without-preemption")
+    layer_s = step.predicted_s / max(step.num_layers, 1)
+    if now_s + layer_s + own_s > arrival.next_deadline_s:
+        return PreemptionDecision(False, "deadline-missed-either-way")
+    return PreemptionDecision(True, "deadline-at-risk")

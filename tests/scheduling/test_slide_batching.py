@@ -1,0 +1,116 @@
+"""SlideBatching: urgency partition, density and EDF order, starvation, budgets."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coserve.scheduling import SchedRequest, SlideBatching, SlideConfig
+from sched_builders import COST, decoding, make_request
+
+POLICY = SlideBatching(COST, SlideConfig(max_tokens_per_step=512, urgency_factor=2.0, max_wait_s=30.0))
+
+
+def test_empty_queue() -> None:
+    decision = POLICY.decide([], now_s=0.0)
+    assert decision.order == () and decision.token_budget == 512
+
+
+def test_urgent_requests_go_first_by_density() -> None:
+    # Both interactive requests are 50 ms from their first-token deadline: urgent.
+    long = make_request("long", "interactive", prompt=400, arrival_s=-0.95)
+    short = make_request("short", "interactive", prompt=20, arrival_s=-0.95)
+    relaxed = make_request("relaxed", "standard", prompt=20)
+    decision = POLICY.decide([relaxed, long, short], now_s=0.0)
+    assert decision.urgent_ids == {"long", "short"}
+    assert decision.order == ("short", "long", "relaxed")  # same gain, short needs less time: denser
+
+
+def test_normal_requests_are_earliest_deadline_first() -> None:
+    a = make_request("a", "standard", arrival_s=0.0)  # due at 5.0
+    b = make_request("b", "standard", arrival_s=-2.0)  # due at 3.0
+    c = make_request("c", "interactive", arrival_s=0.0)  # due at 1.0
+    decision = POLICY.decide([a, b, c], now_s=0.0)
+    assert decision.urgent_ids == frozenset()
+    assert decision.order == ("c", "b", "a")
+
+
+def test_late_requests_go_last() -> None:
+    late = make_request("late", "interactive", arrival_s=-5.0)  # first token was due 4 s ago
+    fresh = make_request("fresh", "offline")
+    decision = POLICY.decide([late, fresh], now_s=0.0)
+    assert decision.late_ids == {"late"}
+    assert decision.order == ("fresh", "late")
+
+
+def test_starving_requests_are_promoted_to_the_front() -> None:
+    starving = make_request("starving", "offline", arrival_s=-31.0)
+    urgent = make_request("urgent", "interactive", arrival_s=-0.99, prompt=10)
+    decision = POLICY.decide([urgent, starving], now_s=0.0)
+    assert decision.promoted_ids == {"starving"}
+    assert decision.order[0] == "starving"
+
+
+def test_boundary_slides_with_load() -> None:
+    # 300 ms of slack: normal when alone, urgent once the queue predicts long steps.
+    probe = make_request("probe", "interactive", arrival_s=-0.7, prompt=10)
+    alone = POLICY.decide([probe], now_s=0.0)
+    crowd = [make_request(f"bulk{i}", "offline", prompt=500) for i in range(8)]
+    loaded = POLICY.decide([probe, *crowd], now_s=0.0)
+    assert "probe" not in alone.urgent_ids
+    assert "probe" in loaded.urgent_ids
+
+
+def test_time_budget_follows_the_tightest_slack_and_bounds_the_tokens() -> None:
+    running = [decoding(f"d{i}", "interactive", arrival_s=-0.9, output=1) for i in range(4)]
+    # Token 1 of each is due at arrival + 1.0 + 0.1 = 0.2 s from now.
+    bulk = make_request("bulk", "offline", prompt=5000)
+    decision = POLICY.decide([*running, bulk], now_s=0.0)
+    assert 0.01 <= decision.time_budget_s < 0.2
+    context = sum(r.num_computed_tokens for r in [*running, bulk])
+    assert COST.latency_s(decision.token_budget, context) <= decision.time_budget_s
+    assert decision.token_budget >= 4  # every urgent decode fits
+
+
+requests_strategy = st.lists(
+    st.builds(
+        lambda i, cls, arrival, prompt, out, running: make_request(
+            f"r{i}",
+            cls,
+            arrival_s=arrival,
+            prompt=prompt,
+            computed=prompt + out - 1 if running and out else 0,
+            output=out if running else 0,
+            running=running,
+        ),
+        st.integers(0, 10**6),
+        st.sampled_from(["interactive", "standard", "offline"]),
+        st.floats(-60, 0),
+        st.integers(1, 4000),
+        st.integers(1, 50),
+        st.booleans(),
+    ),
+    max_size=40,
+    unique_by=lambda r: r.request_id,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(requests=requests_strategy, now=st.floats(0, 10))
+def test_decision_is_a_permutation_within_budgets(requests: list[SchedRequest], now: float) -> None:
+    decision = POLICY.decide(requests, now_s=now)
+    assert sorted(decision.order) == sorted(r.request_id for r in requests)
+    assert 1 <= decision.token_budget <= 512
+    assert 0.01 <= decision.time_budget_s <= 2.0
+    assert decision.urgent_ids.isdisjoint(decision.late_ids)
+    assert decision.promoted_ids.isdisjoint(decision.urgent_ids | decision.late_ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests=requests_strategy, extra=requests_strategy)
+def test_more_load_never_shrinks_the_urgent_set(requests: list[SchedRequest], extra: list[SchedRequest]) -> None:
+    ids = {r.request_id for r in requests}
+    extra = [r for r in extra if r.request_id not in ids]
+    base = POLICY.decide(requests, now_s=0.0).urgent_ids
+    more = POLICY.decide(requests + extra, now_s=0.0).urgent_ids
+    assert base <= more
