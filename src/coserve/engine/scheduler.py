@@ -1,0 +1,143 @@
+"""vLLM scheduler adapter: runs SlideBatching inside vLLM's own scheduler.
+
+Start vLLM with ``--scheduler-cls coserve.engine.scheduler.TDGScheduler``
+(the operator renders it). Each step, ``schedule``:
+
+1. converts vLLM's running and waiting requests into ``SchedRequest`` values;
+2. asks ``SlideBatching.decide`` for an order, a selection and a token budget;
+3. reorders vLLM's running list and waiting queue accordingly, sets aside the
+   running requests that were not selected, lowers the step's token budget,
+   and calls vLLM's ``Scheduler.schedule``, which does all block accounting,
+   prefix caching, chunking and preemption exactly as it always does;
+4. puts the set-aside requests back (they keep their KV and slots).
+
+Nothing here decides anything: the policy is ``coserve.scheduling``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching, StepDecision
+from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
+from coserve.scheduling.requests import RequestClass
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["TDGScheduler"]
+
+logger = logging.getLogger("coserve.engine.scheduler")
+
+CONFIG_ENV = "COSERVE_CONFIG"
+
+
+class TDGScheduler(Scheduler):
+    """vLLM's ``Scheduler`` with SlideBatching choosing each step's batch (TDG gain, deadlines)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.policy != SchedulingPolicy.FCFS:
+            raise ValueError(
+                "--scheduling-policy: coserve's TDGScheduler orders requests itself; use the default 'fcfs' "
+                f"(got {self.policy.value!r})"
+            )
+        self.coserve: EngineSchedulingConfig = load_engine_config(
+            os.environ.get(CONFIG_ENV), self.max_num_scheduled_tokens
+        )
+        self.policy_impl = SlideBatching(self.coserve.cost_model, self.coserve.slide)
+        # request_id -> (class, TTFT SLO s, TPOT SLO s), resolved once when the request arrives
+        self._request_classes: dict[str, tuple[RequestClass, float, float]] = {}
+        self.last_decision: StepDecision | None = None
+        logger.info(
+            "coserve TDGScheduler: classes %s, max %d tokens/step",
+            self.coserve.classes.names,
+            self.coserve.slide.max_tokens_per_step,
+        )
+
+    # --- vLLM hooks -----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Called by the engine core for every new request; resolves its class and SLOs."""
+        if request.request_id not in self._request_classes:
+            self._request_classes[request.request_id] = self._resolve(request)
+        super().add_request(request)
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """Called by the engine core once per step (one forward pass)."""
+        self._forget_finished()
+        candidates = [*self.running, *self.waiting]
+        if not candidates:
+            return super().schedule(throttle_prefills)
+        now_s = time.time()
+        running_ids = {r.request_id for r in self.running}
+        decision = self.policy_impl.decide([self._to_policy(r, r.request_id in running_ids) for r in candidates], now_s)
+        self.last_decision = decision
+        rank = {request_id: index for index, request_id in enumerate(decision.order)}
+
+        self.running.sort(key=lambda r: rank.get(r.request_id, len(rank)))
+        waiting = sorted(self.waiting, key=lambda r: rank.get(r.request_id, len(rank)))
+        self.waiting.clear()  # type: ignore[attr-defined]  # FCFSRequestQueue is a deque
+        self.waiting.extend(waiting)  # type: ignore[attr-defined]
+
+        held = [r for r in self.running if r.request_id not in decision.selected_ids]
+        if held:
+            self.running = [r for r in self.running if r.request_id in decision.selected_ids]
+        saved = (self.max_num_scheduled_tokens, self.max_num_running_reqs, self.max_num_active_reqs)
+        # NOTE: held requests keep their model-runner slots, so the step may admit that many fewer.
+        self.max_num_scheduled_tokens = min(decision.token_budget, saved[0])
+        self.max_num_running_reqs = saved[1] - len(held)
+        self.max_num_active_reqs = saved[2] - len(held)
+        try:
+            return super().schedule(throttle_prefills)
+        finally:
+            self.max_num_scheduled_tokens, self.max_num_running_reqs, self.max_num_active_reqs = saved
+            if held:
+                self.running.extend(held)
+
+    # --- conversion -------------------------------------------------------------------------------
+
+    def _resolve(self, request: Request) -> tuple[RequestClass, float, float]:
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        try:
+            return self.coserve.classes.resolve(extra, request.priority)
+        except InvalidRequestClass as error:
+            # The API server's middleware rejects these with HTTP 400; a client that bypasses it gets the
+            # default class rather than a dead engine.
+            logger.warning(
+                "request %s: %s; using class %r", request.request_id, error, self.coserve.classes.default.name
+            )
+            default = self.coserve.classes.default
+            return default, default.ttft_slo_s, default.tpot_slo_s
+
+    def _to_policy(self, request: Request, is_running: bool) -> SchedRequest:
+        cls, ttft_s, tpot_s = self._request_classes.get(request.request_id) or self._resolve(request)
+        return SchedRequest(
+            request_id=request.request_id,
+            cls=cls,
+            arrival_s=request.arrival_time,
+            ttft_slo_s=ttft_s,
+            tpot_slo_s=tpot_s,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            num_output_tokens=request.num_output_tokens,
+            max_output_tokens=request.max_tokens,
+            is_running=is_running,
+        )
+
+    def _forget_finished(self) -> None:
+        if len(self._request_classes) > len(self.requests):
+            for request_id in [r for r in self._request_classes if r not in self.requests]:
+                del self._request_classes[request_id]
+
+    def request_class(self, request_id: str) -> RequestClass | None:
+        """The class a live request was given (tests and metrics)."""
+        entry = self._request_classes.get(request_id)
+        return entry[0] if entry else None
