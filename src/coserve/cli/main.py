@@ -3,6 +3,7 @@
     coserve plan FILE [-o table|json|yaml] [--profile FILE]
     coserve render FILE [-o yaml|json] [--profile FILE]
     coserve crd [-o yaml|json]
+    coserve profile [--model PATH | --tiny-layers N] [--out FILE] [--max-model-len N] [--repeats N] [--quick]
 
 Exit codes: 0 success, 2 invalid input or usage (one ``FILE: path: reason`` line
 per problem on stderr), 1 an internal error (one line, no traceback unless
@@ -12,23 +13,31 @@ per problem on stderr), 1 an internal error (one line, no traceback unless
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
 import sys
 import traceback
-from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
 from coserve import __version__
 from coserve.api.crd import crd_manifest
-from coserve.api.problems import InvalidInput
+from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import CoServePool
 from coserve.api.status import Plan
 from coserve.cli.manifest import load_pool, load_profile, read_file
 from coserve.provisioning import plan_for
+
+if TYPE_CHECKING:
+    from coserve.engine.profiler import EngineDtype
+    from coserve.scheduling.profile_fit import ProfileGrid
 
 __all__ = ["main"]
 
@@ -106,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     crd.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="output format")
     crd.set_defaults(handler=_cmd_crd)
+
+    _add_profile_command(commands)
     return parser
 
 
@@ -157,6 +168,138 @@ def _cmd_render(args: argparse.Namespace) -> int:
 def _cmd_crd(args: argparse.Namespace) -> int:
     _dump(crd_manifest(), args.output, sys.stdout)
     return EXIT_OK
+
+
+_PROFILE = "coserve profile"
+_TINY_MODEL_MAX_LEN = 8192  # TinyModelSpec.max_position_embeddings
+# "org/name" as the Hugging Face hub spells a model; anything else must be a local folder.
+_HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _add_profile_command(commands: Any) -> None:
+    profile = commands.add_parser(
+        "profile",
+        help="measure a real vLLM engine on this machine and write a CoServeProfile",
+        description="Start vLLM in this process, time prefill steps over a grid of new (P) and cached (C) "
+        "tokens, fit the step cost model and the prefill curve, measure decode throughput and KV capacity, "
+        "and write the profile that `coserve plan --profile` and spec.profile.configMapRef read. Without "
+        "--model it builds a random-weight tiny Llama (no download). Progress goes to stderr.",
+    )
+    which = profile.add_mutually_exclusive_group()
+    which.add_argument("--model", metavar="PATH", help="model folder (or hub id) to profile; default: the tiny model")
+    which.add_argument(
+        "--tiny-layers", type=int, metavar="N", help="layers of the tiny model (default 4; 16 for benchmark-sized)"
+    )
+    profile.add_argument("--out", metavar="FILE", help="write the profile to FILE (default: stdout)")
+    profile.add_argument(
+        "--max-model-len", type=int, default=4096, metavar="N", help="engine context length (default: 4096)"
+    )
+    profile.add_argument("--repeats", type=int, default=3, metavar="N", help="timings per grid point (default: 3)")
+    profile.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="engine dtype (default: float32 for the tiny model, auto for --model)",
+    )
+    profile.add_argument("--quick", action="store_true", help="a small grid and decode batch (about 10 s of timing)")
+    profile.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    profile.set_defaults(handler=_cmd_profile)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    # Imported here: `coserve plan` must stay fast and work where vLLM is not installed.
+    from coserve.engine.profiler import ProfilerConfig, default_model_cache, run_profile
+    from coserve.scheduling.profile_fit import ProfileGrid
+
+    grid = ProfileGrid.quick() if args.quick else ProfileGrid.default()
+    problems = _profile_problems(args, grid)
+    if problems:
+        raise InvalidInput(problems, source=_PROFILE)
+    # NOTE: the tiny model runs in float32 as the engine tests serve it; bfloat16 is ~6x slower on AVX2-only CPUs.
+    dtype: EngineDtype = args.dtype or ("float32" if args.model is None else "auto")
+    if args.model is None:
+        from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
+
+        folder = build_tiny_model(default_model_cache(), TinyModelSpec(num_layers=args.tiny_layers or 4))
+        model, model_name = str(folder), folder.name
+    else:
+        model, model_name = args.model, args.model
+    config = ProfilerConfig(
+        model=model,
+        model_name=model_name,
+        grid=grid,
+        max_model_len=args.max_model_len,
+        repeats=args.repeats,
+        dtype=dtype,
+        quiet=args.quiet,
+        decode_requests=8 if args.quick else 16,
+        decode_output_tokens=32 if args.quick else 64,
+    )
+    with _stdout_to_stderr():
+        result = run_profile(config)
+    document = result.profile.to_wire()
+    if args.out is None:
+        _dump(document, "yaml", sys.stdout)
+        return EXIT_OK
+    with open(args.out, "w", encoding="utf-8") as handle:
+        handle.write("# Measured by `coserve profile`; use it with: coserve plan POOL --profile THIS_FILE\n")
+        _dump(document, "yaml", handle)
+    if not args.quiet:
+        print(f"wrote {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _profile_problems(args: argparse.Namespace, grid: ProfileGrid) -> list[Problem]:
+    """Everything wrong with the arguments, found before a minute of engine start-up is spent."""
+    problems = []
+    if importlib.util.find_spec("vllm") is None:
+        problems.append(Problem("", "needs vLLM: pip install 'coserve[engine-cpu]' (or 'coserve[engine]' on GPUs)"))
+    if not 1 <= args.repeats <= 100:
+        problems.append(Problem("--repeats", f"must be between 1 and 100, got {args.repeats}"))
+    if args.tiny_layers is not None and not 1 <= args.tiny_layers <= 128:
+        problems.append(Problem("--tiny-layers", f"must be between 1 and 128, got {args.tiny_layers}"))
+    if args.model is None and args.max_model_len > _TINY_MODEL_MAX_LEN:
+        problems.append(
+            Problem(
+                "--max-model-len",
+                f"the tiny model holds at most {_TINY_MODEL_MAX_LEN} tokens, got {args.max_model_len}",
+            )
+        )
+    else:
+        try:
+            grid.fitting(args.max_model_len - 1)
+        except ValueError as error:
+            problems.append(Problem("--max-model-len", f"{args.max_model_len} is too small: {error}"))
+    if args.model is not None:
+        folder = Path(args.model)
+        if folder.exists() and not (folder / "config.json").is_file():
+            problems.append(Problem("--model", f"{args.model} is not a model folder (it has no config.json)"))
+        elif not folder.exists() and not _HUB_MODEL_ID.match(args.model):
+            problems.append(Problem("--model", f"{args.model}: no such folder"))
+    if args.out is not None:
+        out = Path(args.out)
+        if out.is_dir():
+            problems.append(Problem("--out", f"{args.out} is a directory"))
+        elif not out.parent.is_dir():
+            problems.append(Problem("--out", f"folder {str(out.parent)!r} does not exist"))
+    return problems
+
+
+@contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send file descriptor 1 to stderr meanwhile, so the profile owns stdout.
+
+    NOTE: vLLM logs to stdout, and its engine-core process inherits the descriptor,
+    so swapping ``sys.stdout`` alone would not keep the YAML clean.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _dump(document: Any, output: str, stream: TextIO) -> None:

@@ -9,7 +9,16 @@ Start vLLM with ``--scheduler-cls coserve.engine.scheduler.TDGScheduler``
    running requests that were not selected, lowers the step's token budget,
    and calls vLLM's ``Scheduler.schedule``, which does all block accounting,
    prefix caching, chunking and preemption exactly as it always does;
-4. puts the set-aside requests back (they keep their KV and slots).
+4. puts the set-aside requests back (they keep their KV and slots);
+5. posts the step on the safepoint board (``coserve.engine.safepoint``), so an
+   urgent arrival can preempt it at the next layer boundary.
+
+When the workers abandon a step, ``update_from_output`` rolls it back: every
+scheduled request's computed-token count returns to where it was, the
+prefix-cache entries registered for blocks the step was about to fill are
+withdrawn (their KV was never written), and a request that hit such a block
+in the same step is preempted and recomputed. KV computed in earlier steps is
+kept; no token is emitted for the abandoned step.
 
 Nothing here decides anything: the policy is ``coserve.scheduling``.
 """
@@ -24,12 +33,16 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from coserve.engine.connector import CoServeConnector, CoServeConnectorMetadata
+from coserve.engine.safepoint import PostedStep, SafepointBoard
 from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching, StepDecision
 from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
 from coserve.scheduling.requests import RequestClass
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
 __all__ = ["TDGScheduler"]
@@ -56,6 +69,11 @@ class TDGScheduler(Scheduler):
         # request_id -> (class, TTFT SLO s, TPOT SLO s), resolved once when the request arrives
         self._request_classes: dict[str, tuple[RequestClass, float, float]] = {}
         self.last_decision: StepDecision | None = None
+        self.num_abandoned_steps = 0
+        self.board: SafepointBoard | None = None
+        if isinstance(self.connector, CoServeConnector) and self.connector.safepoints:
+            self.board = SafepointBoard.create(self.connector.board_name)
+        self._num_layers = self.vllm_config.model_config.get_num_layers(self.vllm_config.parallel_config)
         logger.info(
             "coserve TDGScheduler: classes %s, max %d tokens/step",
             self.coserve.classes.names,
@@ -96,11 +114,104 @@ class TDGScheduler(Scheduler):
         self.max_num_running_reqs = saved[1] - len(held)
         self.max_num_active_reqs = saved[2] - len(held)
         try:
-            return super().schedule(throttle_prefills)
+            output = super().schedule(throttle_prefills)
         finally:
             self.max_num_scheduled_tokens, self.max_num_running_reqs, self.max_num_active_reqs = saved
             if held:
                 self.running.extend(held)
+        self._post_step(output, now_s)
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Called by the engine core after each step; rolls an abandoned step back first."""
+        metadata = scheduler_output.kv_connector_metadata
+        abandoned = (
+            self.board is not None
+            and isinstance(metadata, CoServeConnectorMetadata)
+            and self.board.take_abandoned(metadata.step_id)
+        )
+        if self.board is not None:
+            self.board.clear_step()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if abandoned:
+            self._roll_back(scheduler_output)
+        return outputs
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+    # --- safepoints ---------------------------------------------------------------------------------
+
+    def _post_step(self, output: SchedulerOutput, now_s: float) -> None:
+        metadata = output.kv_connector_metadata
+        if self.board is None or not isinstance(metadata, CoServeConnectorMetadata):
+            return
+        scheduled = output.num_scheduled_tokens
+        if not scheduled:
+            return
+        ranks = [self._class_of(req_id).rank for req_id in scheduled]
+        context = sum(self.requests[r].num_computed_tokens - n for r, n in scheduled.items() if r in self.requests)
+        predicted_s = self.coserve.cost_model.latency_s(output.total_num_scheduled_tokens, max(context, 0))
+        self.board.post_step(PostedStep(metadata.step_id, now_s, predicted_s, min(ranks), self._num_layers))
+
+    def _class_of(self, request_id: str) -> RequestClass:
+        entry = self._request_classes.get(request_id)
+        return entry[0] if entry else self.coserve.classes.default
+
+    def _roll_back(self, scheduler_output: SchedulerOutput) -> None:
+        """Undo an abandoned step's effect on vLLM's state (see the module docstring)."""
+        self.num_abandoned_steps += 1
+        scheduled = {
+            req_id: n
+            for req_id, n in scheduler_output.num_scheduled_tokens.items()
+            if req_id in self.requests and not self.requests[req_id].is_finished()
+        }
+        before = {req_id: self.requests[req_id].num_computed_tokens - n for req_id, n in scheduled.items()}
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        stale_block_ids: set[int] = set()
+        own_new: dict[str, set[int]] = {}
+        for manager in managers:
+            size = manager.block_size
+            for req_id in scheduled:
+                blocks = manager.req_to_blocks.get(req_id, [])
+                first = before[req_id] // size
+                cached = manager.num_cached_block.get(req_id, first)
+                new_ids = {block.block_id for block in blocks[first:cached]}
+                own_new.setdefault(req_id, set()).update(new_ids)
+                stale_block_ids |= new_ids
+        sharers = []
+        for req_id in scheduled:
+            for manager in managers:
+                hits = manager.req_to_blocks.get(req_id, [])[: before[req_id] // manager.block_size]
+                if any(block.block_id in stale_block_ids for block in hits):
+                    sharers.append(req_id)
+                    break
+        self.kv_cache_manager.block_pool.evict_blocks(stale_block_ids)
+        for req_id in scheduled:
+            if req_id in sharers:
+                continue
+            request = self.requests[req_id]
+            request.num_computed_tokens = before[req_id]
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+            for manager in managers:
+                if req_id in manager.num_cached_block:
+                    manager.num_cached_block[req_id] = min(
+                        manager.num_cached_block[req_id], before[req_id] // manager.block_size
+                    )
+        now = time.monotonic()
+        for req_id in sharers:
+            request = self.requests[req_id]
+            if request in self.running:
+                self.running.remove(request)
+                self._preempt_request(request, now)
+        logger.info(
+            "rolled back abandoned step (%d requests, %d same-step sharers recomputed)", len(scheduled), len(sharers)
+        )
 
     # --- conversion -------------------------------------------------------------------------------
 

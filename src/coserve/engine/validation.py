@@ -7,7 +7,13 @@ fields of each completion request before vLLM sees it:
     {"priority": 1, "vllm_xargs": {"coserve_class": "interactive", "ttft_slo_ms": 500, "tpot_slo_ms": 50}}
 
 and answers an unknown class or a non-positive or non-numeric SLO with an
-OpenAI-style error body naming the field. Install it with
+OpenAI-style error body naming the field.
+
+It is also where an arrival is first seen, while the engine core is blocked
+in the running step: when the engine has safepoints, it reads the step posted
+on the safepoint board and, if ``should_preempt`` says waiting would break the
+arrival's first-token deadline, raises the abort flag so the workers leave
+the step at the next layer boundary. Install it with
 ``--middleware coserve.engine.validation.RequestClassValidator`` (the operator
 renders it). It reads the same ``COSERVE_CONFIG`` file as the scheduler.
 """
@@ -16,14 +22,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from coserve.scheduling import InvalidRequestClass
-from coserve.scheduling.config import load_engine_config
+from coserve.engine.safepoint import SafepointBoard, board_name
+from coserve.scheduling import InvalidRequestClass, RunningStep, SchedRequest, should_preempt
+from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
 from coserve.scheduling.requests import ClassRegistry
 
-__all__ = ["RequestClassValidator", "openai_error"]
+__all__ = ["RequestClassValidator", "estimate_prompt_tokens", "openai_error"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -61,9 +69,13 @@ def check_request(body: Any, classes: ClassRegistry) -> InvalidRequestClass | No
 class RequestClassValidator:
     """Pure ASGI middleware; buffers only the bodies of completion requests (bounded)."""
 
-    def __init__(self, app: ASGIApp, classes: ClassRegistry | None = None) -> None:
+    def __init__(self, app: ASGIApp, config: EngineSchedulingConfig | None = None) -> None:
         self.app = app
-        self.classes = classes or load_engine_config(os.environ.get("COSERVE_CONFIG"), 2048).classes
+        self.config = config or load_engine_config(os.environ.get("COSERVE_CONFIG"), 2048)
+        self.classes: ClassRegistry = self.config.classes
+        self._board: SafepointBoard | None = None
+        self._board_checked = False
+        self.num_preemptions_requested = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in CHECKED_PATHS:
@@ -95,7 +107,61 @@ class RequestClassValidator:
         if problem is not None:
             await _respond(send, 400, openai_error(f"{problem.field}: {problem.reason}", problem.field))
             return
+        if isinstance(parsed, dict):
+            self._maybe_preempt(scope, parsed)
         await self.app(scope, _replay([body], None, receive), send)
+
+    def _maybe_preempt(self, scope: Scope, body: dict[str, Any]) -> None:
+        """Raise the abort flag if the arriving request would miss its deadline behind the running step."""
+        board = self._board_for(scope)
+        if board is None:
+            return
+        step = board.posted_step()
+        if step is None:
+            return
+        cls, ttft_s, tpot_s = self.classes.resolve(body.get("vllm_xargs"), body.get("priority"))
+        now_s = time.time()
+        arrival = SchedRequest(
+            request_id="arrival",
+            cls=cls,
+            arrival_s=now_s,
+            ttft_slo_s=ttft_s,
+            tpot_slo_s=tpot_s,
+            num_prompt_tokens=estimate_prompt_tokens(body),
+            num_computed_tokens=0,
+            num_output_tokens=0,
+            max_output_tokens=1,
+            is_running=False,
+        )
+        running = RunningStep(step.started_s, step.predicted_s, [step.min_rank], step.num_layers)
+        if should_preempt(running, arrival, now_s, self.config.cost_model).preempt:
+            board.request_abort(step.step_id)
+            self.num_preemptions_requested += 1
+
+    def _board_for(self, scope: Scope) -> SafepointBoard | None:
+        if self._board is not None or self._board_checked:
+            return self._board
+        app = scope.get("app")
+        vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        if transfer is None or getattr(transfer, "kv_connector", None) != "CoServeConnector":
+            self._board_checked = True  # no safepoints in this engine
+            return None
+        self._board = SafepointBoard.attach(board_name(str(transfer.engine_id)))
+        return self._board
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """Prompt length before tokenization: token ids counted, text at ~4 characters per token."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    text = prompt if isinstance(prompt, str) else ""
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            text += content
+    return max(1, len(text) // 4)
 
 
 def _replay(chunks: list[bytes], pending: Message | None, receive: Receive) -> Receive:

@@ -101,6 +101,9 @@ ROUTER_CONFIG_PATH = f"{CONFIG_MOUNT_PATH}/{ROUTER_CONFIG_KEY}"
 ENGINE_CONTAINER = "vllm"
 ENGINE_COMMAND = ("python3", "-m", "vllm.entrypoints.openai.api_server")
 SCHEDULER_CLS = "coserve.engine.scheduler.TDGScheduler"
+# The serving image is the CUDA one; a CPU pool would use coserve.engine.worker.SafepointCPUWorker.
+WORKER_CLS = "coserve.engine.worker.SafepointGPUWorker"
+REQUEST_VALIDATOR = "coserve.engine.validation.RequestClassValidator"
 KV_CONNECTOR = "CoServeConnector"
 KV_CONNECTOR_MODULE = "coserve.engine.connector"
 _KV_ROLES: dict[EngineRole, str] = {"prefiller": "kv_producer", "decoder": "kv_consumer"}  # role -> vLLM kv_role
@@ -294,6 +297,10 @@ def engine_args(spec: SpecModel, role: EngineRole) -> list[str]:
         str(engine.tensor_parallel_size),
         "--scheduler-cls",
         SCHEDULER_CLS,
+        "--worker-cls",
+        WORKER_CLS,
+        "--middleware",
+        REQUEST_VALIDATOR,
         "--kv-transfer-config",
         kv_json,
         *engine.extra_args,

@@ -1,0 +1,185 @@
+"""The safepoint board: a few shared-memory words linking the API server, scheduler and workers.
+
+Layer-safepoint preemption needs three processes of one engine to agree within
+microseconds, without a round trip through the engine core's busy loop (which
+is blocked while a step runs):
+
+- the scheduler (engine core) posts each step as it dispatches it: its id,
+  start time, predicted duration, the most important class in it, layers;
+- the API server's middleware reads that when an urgent request arrives and,
+  if ``should_preempt`` says so, writes the step id into ``abort_step``;
+- each worker checks ``abort_step`` at every layer boundary (the KV
+  connector's per-layer hook) and abandons the step; rank 0 writes
+  ``abandoned_step`` and the exit time, which the scheduler reads to roll the
+  step back.
+
+The board is named after the engine's ``kv_transfer_config.engine_id``, which
+every process of the engine shares. Reads and writes are single aligned 8-byte
+words, so no lock is needed; a stale read only delays a preemption by a layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import time
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+__all__ = ["BOARD_SIZE", "PostedStep", "SafepointBoard", "board_name"]
+
+# Offsets of the 8-byte words.
+_ABORT_STEP = 0
+_ABANDONED_STEP = 8
+_RUNNING_STEP = 16
+_STARTED_S = 24
+_PREDICTED_S = 32
+_MIN_RANK = 40
+_NUM_LAYERS = 48
+_EXIT_S = 56
+_ABORT_RAISED_S = 64
+_NUM_PREEMPTIONS = 72
+_NUM_ABORT_REQUESTS = 80
+BOARD_SIZE = 128
+
+_NO_STEP = -1
+
+
+def board_name(engine_id: str) -> str:
+    """The shared-memory name of an engine's board (POSIX names are short: keep 30 characters)."""
+    safe = "".join(ch for ch in engine_id if ch.isalnum())[:20]
+    return f"coserve-sp-{safe}"
+
+
+@dataclass(frozen=True)
+class PostedStep:
+    """What the scheduler says about the step in flight."""
+
+    step_id: int
+    started_s: float
+    predicted_s: float
+    min_rank: int
+    num_layers: int
+
+
+class SafepointBoard:
+    """One engine's board; ``create`` in the scheduler, ``attach`` everywhere else."""
+
+    def __init__(self, memory: shared_memory.SharedMemory, owner: bool) -> None:
+        self._memory = memory
+        buffer = memory.buf
+        if buffer is None:  # pragma: no cover - only after close()
+            raise ValueError(f"shared memory {memory.name} is closed")
+        self._buffer: memoryview = buffer
+        self.owner = owner
+
+    @classmethod
+    def create(cls, name: str) -> SafepointBoard:
+        """Create (or reset) the board; called once by the scheduler when the engine starts."""
+        try:
+            memory = shared_memory.SharedMemory(name=name, create=True, size=BOARD_SIZE)
+        except FileExistsError:  # a previous engine with this id died without cleaning up
+            memory = shared_memory.SharedMemory(name=name, create=False)
+        board = cls(memory, owner=True)
+        board._buffer[:BOARD_SIZE] = bytes(BOARD_SIZE)
+        for offset in (_ABORT_STEP, _ABANDONED_STEP, _RUNNING_STEP):
+            board._put_int(offset, _NO_STEP)
+        return board
+
+    @classmethod
+    def attach(cls, name: str) -> SafepointBoard | None:
+        """Attach to an existing board, or ``None`` when the engine has not created it (yet)."""
+        try:
+            memory = shared_memory.SharedMemory(name=name, create=False)
+        except FileNotFoundError:
+            return None
+        # NOTE: only the creator may unlink; stop this process's tracker from doing it at exit.
+        with contextlib.suppress(AttributeError, KeyError, ValueError):
+            resource_tracker.unregister(getattr(memory, "_name", "/" + memory.name), "shared_memory")
+        return cls(memory, owner=False)
+
+    def close(self) -> None:
+        self._buffer.release()
+        self._memory.close()
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                self._memory.unlink()
+
+    # --- scheduler side ----------------------------------------------------------------------------
+
+    def post_step(self, step: PostedStep) -> None:
+        """Publish the step being dispatched (running_step last, so readers never see a torn step)."""
+        self._put_float(_STARTED_S, step.started_s)
+        self._put_float(_PREDICTED_S, step.predicted_s)
+        self._put_int(_MIN_RANK, step.min_rank)
+        self._put_int(_NUM_LAYERS, step.num_layers)
+        self._put_int(_RUNNING_STEP, step.step_id)
+
+    def clear_step(self) -> None:
+        self._put_int(_RUNNING_STEP, _NO_STEP)
+
+    def take_abandoned(self, step_id: int) -> bool:
+        """True (once) if the workers abandoned ``step_id``."""
+        if self._get_int(_ABANDONED_STEP) == step_id:
+            self._put_int(_ABANDONED_STEP, _NO_STEP)
+            return True
+        return False
+
+    # --- API server side ---------------------------------------------------------------------------
+
+    def posted_step(self) -> PostedStep | None:
+        step_id = self._get_int(_RUNNING_STEP)
+        if step_id == _NO_STEP:
+            return None
+        return PostedStep(
+            step_id,
+            self._get_float(_STARTED_S),
+            self._get_float(_PREDICTED_S),
+            self._get_int(_MIN_RANK),
+            self._get_int(_NUM_LAYERS),
+        )
+
+    def request_abort(self, step_id: int) -> None:
+        """Ask the workers to abandon ``step_id`` at their next layer boundary."""
+        self._put_float(_ABORT_RAISED_S, time.time())
+        self._put_int(_NUM_ABORT_REQUESTS, self._get_int(_NUM_ABORT_REQUESTS) + 1)
+        self._put_int(_ABORT_STEP, step_id)
+
+    # --- worker side -------------------------------------------------------------------------------
+
+    def abort_requested(self, step_id: int) -> bool:
+        """The per-layer check: one 8-byte read and a compare."""
+        return self._get_int(_ABORT_STEP) == step_id
+
+    def mark_abandoned(self, step_id: int) -> None:
+        self._put_float(_EXIT_S, time.time())
+        self._put_int(_NUM_PREEMPTIONS, self._get_int(_NUM_PREEMPTIONS) + 1)
+        self._put_int(_ABANDONED_STEP, step_id)
+
+    # --- measurements ------------------------------------------------------------------------------
+
+    def last_abort_latency_s(self) -> float:
+        """Seconds from the last abort request to the workers leaving the step (benchmarks)."""
+        return self._get_float(_EXIT_S) - self._get_float(_ABORT_RAISED_S)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Steps the workers abandoned."""
+        return self._get_int(_NUM_PREEMPTIONS)
+
+    @property
+    def num_abort_requests(self) -> int:
+        """Aborts raised (some reach a step that has already finished, and abandon nothing)."""
+        return self._get_int(_NUM_ABORT_REQUESTS)
+
+    def _get_int(self, offset: int) -> int:
+        return int(struct.unpack_from("<q", self._buffer, offset)[0])
+
+    def _put_int(self, offset: int, value: int) -> None:
+        struct.pack_into("<q", self._buffer, offset, value)
+
+    def _get_float(self, offset: int) -> float:
+        return float(struct.unpack_from("<d", self._buffer, offset)[0])
+
+    def _put_float(self, offset: int, value: float) -> None:
+        struct.pack_into("<d", self._buffer, offset, value)

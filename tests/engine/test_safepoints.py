@@ -1,0 +1,107 @@
+"""Layer-safepoint preemption in the real engine: abandoned steps change no output and lose no request."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from coserve.engine.safepoint import SafepointBoard, board_name
+from engine_handle import Engine
+
+pytestmark = pytest.mark.slow
+
+SHARED = list(range(20, 20 + 520))  # longer than two 256-token steps: sharers hit blocks of running steps
+
+
+def complete(base: str, prompt: list[int], cls: str, max_tokens: int = 24, **xargs: Any) -> httpx.Response:
+    return httpx.post(
+        f"{base}/v1/completions",
+        timeout=180,
+        json={
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "vllm_xargs": {"coserve_class": cls, **xargs},
+        },
+    )
+
+
+def text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+class Chaos:
+    """Abandons every other posted step at its next layer boundary, from another process's view."""
+
+    def __init__(self, board: SafepointBoard) -> None:
+        self.board = board
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last = -1
+        aborting = True
+        while not self.stop.is_set():
+            step = self.board.posted_step()
+            if step is not None and step.step_id != last:
+                last = step.step_id
+                if aborting:
+                    self.board.request_abort(step.step_id)
+                aborting = not aborting
+            time.sleep(0.0005)
+
+    def __enter__(self) -> Chaos:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def test_preempted_requests_give_the_same_greedy_tokens_as_alone(engine: Engine) -> None:
+    board = SafepointBoard.attach(board_name(engine.engine_id))
+    assert board is not None, "the scheduler did not create the safepoint board"
+    prompts = [SHARED[: 300 + 40 * i] + [600 + i] * (8 + 9 * i) for i in range(6)]
+    classes = ["offline", "interactive", "offline", "standard", "offline", "interactive"]
+    alone = [text(complete(engine.base, p, c)) for p, c in zip(prompts, classes, strict=True)]
+    httpx.post(f"{engine.base}/reset_prefix_cache", timeout=30)
+
+    before = board.num_preemptions
+    with Chaos(board), ThreadPoolExecutor(max_workers=6) as pool:
+        together = list(pool.map(lambda pc: text(complete(engine.base, *pc)), zip(prompts, classes, strict=True)))
+    abandoned = board.num_preemptions - before
+    assert abandoned >= 10, f"only {abandoned} steps were abandoned: the test did not exercise preemption"
+    assert together == alone
+
+
+def test_an_urgent_arrival_preempts_an_offline_step(engine: Engine) -> None:
+    """An interactive request with a 300 ms TTFT SLO arrives behind offline steps the cost model says take
+    0.5 s (conftest's pessimistic model): the API server raises the abort, a worker abandons the step."""
+    board = SafepointBoard.attach(board_name(engine.engine_id))
+    assert board is not None
+    aborts, abandoned = board.num_abort_requests, board.num_preemptions
+    responses = []
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        background = []
+        for attempt in range(30):
+            # A fresh 1500-token offline prompt (no prefix-cache hit): several 256-token steps to land in.
+            background.append(pool.submit(complete, engine.base, [900 + attempt] * 1500, "offline", 2))
+            deadline = time.monotonic() + 5
+            while board.posted_step() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            responses.append(complete(engine.base, [5, 6, 7, 8 + attempt], "interactive", 2, ttft_slo_ms=300))
+            if board.num_preemptions > abandoned:
+                break
+        responses += [f.result() for f in background]
+    assert all(r.status_code == 200 for r in responses)
+    assert board.num_abort_requests > aborts, "the API server never raised the abort flag"
+    assert board.num_preemptions > abandoned, "no worker abandoned a step"
