@@ -158,9 +158,13 @@ class SafepointBoard:
 
     # --- measurements ------------------------------------------------------------------------------
 
-    def last_abort_latency_s(self) -> float:
-        """Seconds from the last abort request to the workers leaving the step (benchmarks)."""
-        return self._get_float(_EXIT_S) - self._get_float(_ABORT_RAISED_S)
+    def last_abort_raised_s(self) -> float:
+        """Wall time of the last abort request (benchmarks)."""
+        return self._get_float(_ABORT_RAISED_S)
+
+    def last_exit_s(self) -> float:
+        """Wall time the workers last left a step at a safepoint (benchmarks)."""
+        return self._get_float(_EXIT_S)
 
     @property
     def num_preemptions(self) -> int:

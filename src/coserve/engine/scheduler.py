@@ -71,7 +71,8 @@ class TDGScheduler(Scheduler):
         self.last_decision: StepDecision | None = None
         self.num_abandoned_steps = 0
         self.board: SafepointBoard | None = None
-        if isinstance(self.connector, CoServeConnector) and self.connector.safepoints:
+        if isinstance(self.connector, CoServeConnector):
+            # Posted even with safepoints off, so the step stays observable (benchmarks' baseline).
             self.board = SafepointBoard.create(self.connector.board_name)
         self._num_layers = self.vllm_config.model_config.get_num_layers(self.vllm_config.parallel_config)
         logger.info(

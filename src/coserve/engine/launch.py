@@ -1,0 +1,154 @@
+"""Start a real vLLM OpenAI server with coserve's plugin pieces, on this machine.
+
+The same flags the operator renders for a pod (scheduler, worker, connector,
+request validator), for a local process: the engine tests, the benchmarks
+and, later, ``coserve up`` start engines through ``EngineServer``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+__all__ = ["EngineServer", "EngineSettings"]
+
+
+@dataclass
+class EngineSettings:
+    """What to start; ``coserve=False`` gives stock vLLM with the same model and limits (a baseline)."""
+
+    model: Path
+    workdir: Path
+    engine_config: dict[str, Any] = field(default_factory=dict)
+    coserve: bool = True
+    safepoints: bool = True
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 4096
+    dtype: str = "float32"
+    extra_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EngineServer:
+    """A running server; use as a context manager. ``base`` is its URL, ``engine_id`` names its board."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.port = _free_port()
+        self.engine_id = f"coserve{self.port}{os.getpid()}"
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = settings.workdir / f"vllm-{self.port}.log"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        s = self.settings
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(s.model),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            s.dtype,
+            "--max-model-len",
+            str(s.max_model_len),
+            "--max-num-batched-tokens",
+            str(s.max_num_batched_tokens),
+            "--enforce-eager",
+            "--enable-prefix-caching",
+            "--seed",
+            "0",
+        ]
+        if s.coserve:
+            transfer = {
+                "kv_connector": "CoServeConnector",
+                "kv_connector_module_path": "coserve.engine.connector",
+                "kv_role": "kv_both",
+                "engine_id": self.engine_id,
+                "kv_connector_extra_config": {"safepoints": s.safepoints},
+            }
+            args += [
+                "--scheduler-cls",
+                "coserve.engine.scheduler.TDGScheduler",
+                "--middleware",
+                "coserve.engine.validation.RequestClassValidator",
+                "--kv-transfer-config",
+                json.dumps(transfer),
+                "--worker-cls",
+                "coserve.engine.worker.SafepointCPUWorker",
+            ]
+        return [*args, *s.extra_args]
+
+    def __enter__(self) -> EngineServer:
+        s = self.settings
+        s.workdir.mkdir(parents=True, exist_ok=True)
+        config = s.workdir / f"engine-{self.port}.json"
+        config.write_text(json.dumps(s.engine_config))
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "COSERVE_CONFIG": str(config),
+            "VLLM_CPU_CI_ENV": "1",
+        }
+        with self.log_path.open("wb") as log:
+            self._process = subprocess.Popen(  # noqa: S603 - our own argv, no shell
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=s.workdir
+            )
+        deadline = time.monotonic() + s.startup_timeout_s
+        while not self._healthy():
+            if self._process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self._process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"vLLM did not start in {s.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+            time.sleep(1)
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base}/health", timeout=2) as response:  # noqa: S310 - loopback
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
