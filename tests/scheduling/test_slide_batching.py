@@ -35,12 +35,14 @@ def test_normal_requests_are_earliest_deadline_first() -> None:
     assert decision.order == ("c", "b", "a")
 
 
-def test_late_requests_go_last() -> None:
+def test_late_requests_follow_urgent_ones_and_never_starve_behind_offline_work() -> None:
     late = make_request("late", "interactive", arrival_s=-5.0)  # first token was due 4 s ago
-    fresh = make_request("fresh", "offline")
-    decision = POLICY.decide([late, fresh], now_s=0.0)
+    urgent = make_request("urgent", "interactive", arrival_s=-0.95, prompt=10)
+    bulk = [make_request(f"bulk{i}", "offline", prompt=2000) for i in range(4)]
+    decision = POLICY.decide([*bulk, late, urgent], now_s=0.0)
     assert decision.late_ids == {"late"}
-    assert decision.order == ("fresh", "late")
+    assert decision.order[:2] == ("urgent", "late")
+    assert {"urgent", "late"} <= decision.selected_ids
 
 
 def test_starving_requests_are_promoted_to_the_front() -> None:

@@ -152,3 +152,6 @@ class EngineServer:
             self._process.kill()
             self._process.wait()
         self._process = None
+        from coserve.engine.safepoint import SafepointBoard, board_name
+
+        SafepointBoard.remove(board_name(self.engine_id))

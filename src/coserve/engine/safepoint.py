@@ -98,6 +98,14 @@ class SafepointBoard:
             resource_tracker.unregister(getattr(memory, "_name", "/" + memory.name), "shared_memory")
         return cls(memory, owner=False)
 
+    @staticmethod
+    def remove(name: str) -> None:
+        """Unlink a board left behind by an engine that was killed before its scheduler shut down."""
+        with contextlib.suppress(FileNotFoundError):
+            memory = shared_memory.SharedMemory(name=name, create=False)
+            memory.close()
+            memory.unlink()
+
     def close(self) -> None:
         self._buffer.release()
         self._memory.close()

@@ -50,6 +50,9 @@ __all__ = ["TDGScheduler"]
 logger = logging.getLogger("coserve.engine.scheduler")
 
 CONFIG_ENV = "COSERVE_CONFIG"
+# After an abandoned step, how long to hold the engine for the arrival that caused it: the abort is
+# raised in the API server before the request is tokenized and sent to the engine core.
+ARRIVAL_WAIT_S = 0.05
 
 
 class TDGScheduler(Scheduler):
@@ -70,6 +73,9 @@ class TDGScheduler(Scheduler):
         self._request_classes: dict[str, tuple[RequestClass, float, float]] = {}
         self.last_decision: StepDecision | None = None
         self.num_abandoned_steps = 0
+        self._num_arrivals = 0
+        self._hold_until = 0.0
+        self._arrivals_at_abandon = 0
         self.board: SafepointBoard | None = None
         if isinstance(self.connector, CoServeConnector):
             # Posted even with safepoints off, so the step stays observable (benchmarks' baseline).
@@ -87,11 +93,14 @@ class TDGScheduler(Scheduler):
         """Called by the engine core for every new request; resolves its class and SLOs."""
         if request.request_id not in self._request_classes:
             self._request_classes[request.request_id] = self._resolve(request)
+            self._num_arrivals += 1
         super().add_request(request)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         """Called by the engine core once per step (one forward pass)."""
         self._forget_finished()
+        if self._holding_for_arrival():
+            return self._empty_step(throttle_prefills)
         candidates = [*self.running, *self.waiting]
         if not candidates:
             return super().schedule(throttle_prefills)
@@ -148,6 +157,24 @@ class TDGScheduler(Scheduler):
 
     # --- safepoints ---------------------------------------------------------------------------------
 
+    def _holding_for_arrival(self) -> bool:
+        """True while a preempted step's cause has not reached the engine core yet (bounded wait)."""
+        if not self._hold_until:
+            return False
+        if self._num_arrivals != self._arrivals_at_abandon or time.monotonic() >= self._hold_until:
+            self._hold_until = 0.0
+            return False
+        time.sleep(0.001)
+        return True
+
+    def _empty_step(self, throttle_prefills: bool) -> SchedulerOutput:
+        saved = self.max_num_scheduled_tokens
+        self.max_num_scheduled_tokens = 0
+        try:
+            return super().schedule(throttle_prefills)
+        finally:
+            self.max_num_scheduled_tokens = saved
+
     def _post_step(self, output: SchedulerOutput, now_s: float) -> None:
         metadata = output.kv_connector_metadata
         if self.board is None or not isinstance(metadata, CoServeConnectorMetadata):
@@ -167,6 +194,8 @@ class TDGScheduler(Scheduler):
     def _roll_back(self, scheduler_output: SchedulerOutput) -> None:
         """Undo an abandoned step's effect on vLLM's state (see the module docstring)."""
         self.num_abandoned_steps += 1
+        self._hold_until = time.monotonic() + ARRIVAL_WAIT_S
+        self._arrivals_at_abandon = self._num_arrivals
         scheduled = {
             req_id: n
             for req_id, n in scheduler_output.num_scheduled_tokens.items()

@@ -13,8 +13,9 @@ fill the step, which requests fit in it, and how many new tokens it may take.
    gain density rules.
 3. Urgent requests go first, by density (gain of their next token per second
    of predicted work, greedily as a fractional knapsack); normal ones follow
-   by earliest deadline; requests whose next deadline has passed (they can
-   earn nothing now) go last, by deadline.
+   by earliest deadline, and requests whose next deadline has already passed
+   (they can earn nothing now, but every later token is due sooner) join them
+   in that order rather than starving at the back.
 4. Requests that waited longer than ``max_wait_s`` for their first token are
    promoted to the front (no starvation).
 5. The step's time budget η is the smallest slack among the urgent and
@@ -119,9 +120,13 @@ class SlideBatching:
 
         promoted.sort(key=lambda s: (s.request.arrival_s, s.request.request_id))
         urgent.sort(key=lambda s: (-s.density, s.request.next_deadline_s, s.request.request_id))
-        normal.sort(key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id))
-        late.sort(key=lambda s: (s.request.next_deadline_s, s.request.request_id))
-        ordered = promoted + urgent + normal + late
+        # NOTE: late requests join the normal ones in deadline order, i.e. right after the urgent ones.
+        # Behind everything they would starve under sustained load, and every further token of theirs
+        # would be late too; their overdue deadline puts them first among the normal requests.
+        normal = sorted(
+            normal + late, key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id)
+        )
+        ordered = promoted + urgent + normal
 
         slacks = [s.slack_s for s in urgent] + [s.slack_s for s in on_time if s.request.is_running]
         time_budget_s = min(max(min(slacks, default=config.max_step_s), config.min_step_s), config.max_step_s)
