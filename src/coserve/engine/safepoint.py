@@ -166,6 +166,10 @@ class SafepointBoard:
 
     # --- measurements ------------------------------------------------------------------------------
 
+    def aborted_step(self) -> int:
+        """The step id of the last abort request (benchmarks)."""
+        return self._get_int(_ABORT_STEP)
+
     def last_abort_raised_s(self) -> float:
         """Wall time of the last abort request (benchmarks)."""
         return self._get_float(_ABORT_RAISED_S)

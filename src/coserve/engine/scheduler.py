@@ -118,15 +118,23 @@ class TDGScheduler(Scheduler):
         held = [r for r in self.running if r.request_id not in decision.selected_ids]
         if held:
             self.running = [r for r in self.running if r.request_id in decision.selected_ids]
+        # vLLM serves running requests before waiting ones; capping each running request at the largest
+        # allowance the policy gave a running request leaves room for the waiting ones it put first.
+        running_allowances = [decision.allowances[r.request_id] for r in self.running]
+        cap = max(running_allowances, default=0)
+        threshold = self.scheduler_config.long_prefill_token_threshold
         saved = (self.max_num_scheduled_tokens, self.max_num_running_reqs, self.max_num_active_reqs)
         # NOTE: held requests keep their model-runner slots, so the step may admit that many fewer.
         self.max_num_scheduled_tokens = min(decision.token_budget, saved[0])
         self.max_num_running_reqs = saved[1] - len(held)
         self.max_num_active_reqs = saved[2] - len(held)
+        if cap and cap < decision.token_budget:
+            self.scheduler_config.long_prefill_token_threshold = cap
         try:
             output = super().schedule(throttle_prefills)
         finally:
             self.max_num_scheduled_tokens, self.max_num_running_reqs, self.max_num_active_reqs = saved
+            self.scheduler_config.long_prefill_token_threshold = threshold
             if held:
                 self.running.extend(held)
         self._post_step(output, now_s)

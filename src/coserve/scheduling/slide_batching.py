@@ -65,6 +65,8 @@ class StepDecision:
 
     order: tuple[str, ...]
     selected_ids: frozenset[str]
+    # request_id -> new tokens it may take this step (its work, or the rest of the budget for the last)
+    allowances: dict[str, int]
     token_budget: int
     time_budget_s: float
     urgent_ids: frozenset[str]
@@ -93,7 +95,7 @@ class SlideBatching:
         config = self.config
         if not requests:
             empty: frozenset[str] = frozenset()
-            return StepDecision((), empty, config.max_tokens_per_step, config.max_step_s, empty, empty, empty)
+            return StepDecision((), empty, {}, config.max_tokens_per_step, config.max_step_s, empty, empty, empty)
         scored = [self._score(r, now_s) for r in requests]
         # Load = predicted time to drain every runnable request's next piece of work.
         load_s = self.cost_model.latency_s(
@@ -137,9 +139,11 @@ class SlideBatching:
             min(ordered[0].work_tokens, config.max_tokens_per_step), sum(1 for s in urgent if not s.request.in_prefill)
         )
         token_budget = min(max(token_budget, floor), config.max_tokens_per_step)
+        allowances = _fill(ordered, token_budget)
         return StepDecision(
             order=tuple(s.request.request_id for s in ordered),
-            selected_ids=_fill(ordered, token_budget),
+            selected_ids=frozenset(allowances),
+            allowances=allowances,
             token_budget=token_budget,
             time_budget_s=time_budget_s,
             urgent_ids=frozenset(urgent_ids),
@@ -171,16 +175,16 @@ class SlideBatching:
         return _Scored(request, work_tokens, work_s, slack_s, gain / work_s)
 
 
-def _fill(ordered: Sequence[_Scored], token_budget: int) -> frozenset[str]:
-    """The requests that get work this step: walk ``ordered`` until the budget is spent.
+def _fill(ordered: Sequence[_Scored], token_budget: int) -> dict[str, int]:
+    """How many new tokens each request gets this step: walk ``ordered`` until the budget is spent.
 
     The last one may get only part of its prefill (a chunk); vLLM chunks it the same way.
     """
-    selected = []
+    allowances: dict[str, int] = {}
     left = token_budget
     for scored in ordered:
         if left <= 0:
             break
-        selected.append(scored.request.request_id)
+        allowances[scored.request.request_id] = min(scored.work_tokens, left)
         left -= scored.work_tokens
-    return frozenset(selected)
+    return allowances
