@@ -35,7 +35,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from coserve.engine.connector import CoServeConnector, CoServeConnectorMetadata
 from coserve.engine.safepoint import PostedStep, SafepointBoard
-from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching, StepDecision
+from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching
 from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
 from coserve.scheduling.requests import RequestClass
 
@@ -71,8 +71,6 @@ class TDGScheduler(Scheduler):
         self.policy_impl = SlideBatching(self.coserve.cost_model, self.coserve.slide)
         # request_id -> (class, TTFT SLO s, TPOT SLO s), resolved once when the request arrives
         self._request_classes: dict[str, tuple[RequestClass, float, float]] = {}
-        self.last_decision: StepDecision | None = None
-        self.num_abandoned_steps = 0
         self._num_arrivals = 0
         self._hold_until = 0.0
         self._arrivals_at_abandon = 0
@@ -107,7 +105,6 @@ class TDGScheduler(Scheduler):
         now_s = time.time()
         running_ids = {r.request_id for r in self.running}
         decision = self.policy_impl.decide([self._to_policy(r, r.request_id in running_ids) for r in candidates], now_s)
-        self.last_decision = decision
         rank = {request_id: index for index, request_id in enumerate(decision.order)}
 
         self.running.sort(key=lambda r: rank.get(r.request_id, len(rank)))
@@ -201,7 +198,6 @@ class TDGScheduler(Scheduler):
 
     def _roll_back(self, scheduler_output: SchedulerOutput) -> None:
         """Undo an abandoned step's effect on vLLM's state (see the module docstring)."""
-        self.num_abandoned_steps += 1
         self._hold_until = time.monotonic() + ARRIVAL_WAIT_S
         self._arrivals_at_abandon = self._num_arrivals
         scheduled = {
@@ -285,8 +281,3 @@ class TDGScheduler(Scheduler):
         if len(self._request_classes) > len(self.requests):
             for request_id in [r for r in self._request_classes if r not in self.requests]:
                 del self._request_classes[request_id]
-
-    def request_class(self, request_id: str) -> RequestClass | None:
-        """The class a live request was given (tests and metrics)."""
-        entry = self._request_classes.get(request_id)
-        return entry[0] if entry else None

@@ -75,7 +75,6 @@ class RequestClassValidator:
         self.classes: ClassRegistry = self.config.classes
         self._board: SafepointBoard | None = None
         self._board_checked = False
-        self.num_preemptions_requested = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in CHECKED_PATHS:
@@ -136,7 +135,6 @@ class RequestClassValidator:
         running = RunningStep(step.started_s, step.predicted_s, [step.min_rank], step.num_layers)
         if should_preempt(running, arrival, now_s, self.config.cost_model).preempt:
             board.request_abort(step.step_id)
-            self.num_preemptions_requested += 1
 
     def _board_for(self, scope: Scope) -> SafepointBoard | None:
         if self._board is not None or self._board_checked:
