@@ -39,6 +39,16 @@ def test_slo_attainment() -> None:
     assert not slo_attained(0.0, 1.0, 0.1, [])
 
 
+def test_all_on_time_judges_every_token_deadline_not_the_mean() -> None:
+    # An early first token banks slack: token 2 is due at 1.0 + 2 * 0.1 = 1.2 s, so all three are on time
+    # although the mean time per output token (0.45 s) is far above the 0.1 s SLO.
+    early = request_gain(INTERACTIVE, 0.0, 1.0, 0.1, [0.1, 1.0, 1.0])
+    assert early.all_on_time
+    assert not slo_attained(0.0, 1.0, 0.1, [0.1, 1.0, 1.0])
+    assert not request_gain(INTERACTIVE, 0.0, 1.0, 0.1, [0.1, 1.0, 1.25]).all_on_time
+    assert not request_gain(INTERACTIVE, 0.0, 1.0, 0.1, []).all_on_time
+
+
 OFFLINE_STEP = RunningStep(started_s=0.0, predicted_s=0.8, class_ranks=[2, 2], num_layers=16)
 
 
@@ -80,3 +90,29 @@ OFFLINE_STEP = RunningStep(started_s=0.0, predicted_s=0.8, class_ranks=[2, 2], n
 def test_preemption_decision(step: RunningStep, arrival: object, now: float, preempt: bool, reason: str) -> None:
     decision = should_preempt(step, arrival, now, COST)  # type: ignore[arg-type]
     assert (decision.preempt, decision.reason) == (preempt, reason)
+
+
+@pytest.mark.parametrize(
+    ("step", "arrival_class", "now", "preempt", "reason"),
+    [
+        # with offline co-serving on, an offline-only step yields to any online arrival, deadline or not
+        (OFFLINE_STEP, "interactive", 0.1, True, "offline-yields-to-online"),
+        (OFFLINE_STEP, "standard", 0.1, True, "offline-yields-to-online"),
+        # ... unless it is about to end anyway (less than one layer, 50 ms here, left)
+        (OFFLINE_STEP, "interactive", 0.76, False, "step-ending"),
+        # another offline request waits; so does anything behind a step holding online work
+        (OFFLINE_STEP, "offline", 0.1, False, "step-holds-equal-or-higher-class"),
+        (RunningStep(0.0, 0.8, [1, 2], 16), "interactive", 0.1, False, "deadline-met-without-preemption"),
+    ],
+)
+def test_offline_work_yields_to_online_arrivals(
+    step: RunningStep, arrival_class: str, now: float, preempt: bool, reason: str
+) -> None:
+    arrival = make_request("u", arrival_class, arrival_s=now, prompt=10)
+    decision = should_preempt(step, arrival, now, COST, offline_rank=REGISTRY.get("offline").rank)
+    assert (decision.preempt, decision.reason) == (preempt, reason)
+
+
+def test_without_offline_co_serving_the_deadline_rule_decides() -> None:
+    arrival = make_request("u", "interactive", arrival_s=0.1, prompt=10)
+    assert should_preempt(OFFLINE_STEP, arrival, 0.1, COST).reason == "deadline-met-without-preemption"

@@ -53,6 +53,41 @@ def test_starving_requests_are_promoted_to_the_front() -> None:
     assert decision.order[0] == "starving"
 
 
+def test_only_the_oldest_starving_request_jumps_the_queue_and_with_a_share_of_the_step() -> None:
+    # Sustained overload leaves many requests past max_wait_s; promoting all of them to the front would
+    # hand every step to the lowest class. The oldest advances each step with at most a quarter of it.
+    starving = [make_request(f"old{i}", "offline", arrival_s=-40.0 + i, prompt=1000) for i in range(5)]
+    urgent = make_request("urgent", "interactive", arrival_s=-0.5, prompt=100)
+    decision = POLICY.decide([*starving, urgent], now_s=0.0)
+    assert decision.promoted_ids == {"old0"}
+    assert decision.order[:2] == ("old0", "urgent")
+    assert decision.allowances["old0"] == 128  # 0.25 x 512
+    assert decision.allowances["urgent"] == 100
+
+
+def test_a_long_answer_counts_not_only_its_first_token() -> None:
+    # Counting only the next token, 20 tokens of standard prefill for a one-token answer earn more per
+    # second than 700 tokens of interactive prefill; counting the 63 later tokens at weight 10 that follow
+    # it, the interactive request is worth more per second of work.
+    long = make_request("long", "interactive", prompt=700, arrival_s=-0.2, max_output_tokens=64)
+    short = [make_request(f"s{i}", "standard", prompt=20, max_output_tokens=1) for i in range(30)]
+    crowd = [make_request(f"c{i}", "offline", prompt=3000) for i in range(10)]  # overload: all urgent
+    decision = POLICY.decide([*short, *crowd, long], now_s=0.0)
+    assert {"long", "s0"} <= decision.urgent_ids
+    assert decision.order[0] == "long"
+
+
+def test_a_late_request_that_can_catch_up_competes_and_a_hopeless_one_goes_last() -> None:
+    # First token due 0.5 s ago; 40 more tokens at 100 ms TPOT: decoding twice as fast catches up.
+    behind = make_request("behind", "interactive", arrival_s=-1.5, prompt=10, max_output_tokens=41)
+    # Only 3 tokens left and 10 s behind: none can be on time any more.
+    hopeless = make_request("hopeless", "interactive", arrival_s=-11.0, prompt=10, max_output_tokens=3)
+    normal = make_request("normal", "offline", prompt=10)
+    decision = POLICY.decide([hopeless, normal, behind], now_s=0.0)
+    assert decision.late_ids == {"behind", "hopeless"}
+    assert decision.order == ("behind", "normal", "hopeless")
+
+
 def test_boundary_slides_with_load() -> None:
     # 300 ms of slack: normal when alone, urgent once the queue predicts long steps.
     probe = make_request("probe", "interactive", arrival_s=-0.7, prompt=10)

@@ -73,6 +73,8 @@ class RequestClassValidator:
         self.app = app
         self.config = config or load_engine_config(os.environ.get("COSERVE_CONFIG"), 2048)
         self.classes: ClassRegistry = self.config.classes
+        offline = self.config.offline_class
+        self._offline_rank = self.classes.get(offline).rank if offline is not None else None
         self._board: SafepointBoard | None = None
         self._board_checked = False
 
@@ -133,7 +135,7 @@ class RequestClassValidator:
             is_running=False,
         )
         running = RunningStep(step.started_s, step.predicted_s, [step.min_rank], step.num_layers)
-        if should_preempt(running, arrival, now_s, self.config.cost_model).preempt:
+        if should_preempt(running, arrival, now_s, self.config.cost_model, self._offline_rank).preempt:
             board.request_abort(step.step_id)
 
     def _board_for(self, scope: Scope) -> SafepointBoard | None:

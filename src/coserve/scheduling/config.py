@@ -2,6 +2,7 @@
 
     {"priorityClasses": [...], "offline": {...}, "kvOffload": {...},
      "scheduler": {"maxTokensPerStep": 2048, "urgencyFactor": 2.0, "maxWaitS": 30,
+                   "promotedShare": 0.25,
                    "minStepS": 0.01, "maxStepS": 2.0, "firstTokenFactor": 2.0,
                    "defaultClass": "standard"},
      "costModel": {"k1": ..., "k5": ...}}
@@ -36,6 +37,7 @@ _SCHEDULER_KEYS = {
     "maxTokensPerStep",
     "urgencyFactor",
     "maxWaitS",
+    "promotedShare",
     "minStepS",
     "maxStepS",
     "firstTokenFactor",
@@ -81,6 +83,7 @@ def parse_engine_config(data: Mapping[str, Any], max_tokens_per_step: int) -> En
         max_tokens_per_step=int(_number(scheduler, "maxTokensPerStep", max_tokens_per_step)),
         urgency_factor=_number(scheduler, "urgencyFactor", 2.0),
         max_wait_s=_number(scheduler, "maxWaitS", 30.0),
+        promoted_share=_number(scheduler, "promotedShare", 0.25),
         min_step_s=_number(scheduler, "minStepS", 0.01),
         max_step_s=_number(scheduler, "maxStepS", 2.0),
     )

@@ -26,6 +26,11 @@ class GainReport:
     on_time_tokens: int
     total_tokens: int
 
+    @property
+    def all_on_time(self) -> bool:
+        """Every token met its deadline: the request attained its SLO in the deadline sense the gain uses."""
+        return self.total_tokens > 0 and self.on_time_tokens == self.total_tokens
+
 
 def request_gain(
     cls: RequestClass, arrival_s: float, ttft_slo_s: float, tpot_slo_s: float, token_times_s: Sequence[float]

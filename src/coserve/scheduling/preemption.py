@@ -9,6 +9,12 @@ layer boundary pays off only if
 - waiting for the step to finish would break the arrival's next deadline,
   while starting it now (after about one layer) would still meet it.
 
+Offline batch work (the pool's ``offline.className``, when offline co-serving is
+enabled) is harvest: it has no deadline worth an online request's wait, so a step
+that holds only offline work yields to any online arrival at the next layer
+boundary, unless it would end within about a layer anyway. The price is the
+abandoned part of one offline step; its earlier KV is kept.
+
 Who calls it: the coserve scheduler adapter, from the engine core's
 add-request path; the worker then sees the flag at its next safepoint.
 """
@@ -41,18 +47,30 @@ class PreemptionDecision:
 
 
 def should_preempt(
-    step: RunningStep, arrival: SchedRequest, now_s: float, cost_model: StepCostModel
+    step: RunningStep,
+    arrival: SchedRequest,
+    now_s: float,
+    cost_model: StepCostModel,
+    offline_rank: int | None = None,
 ) -> PreemptionDecision:
-    """Decide for one arrival; ``reason`` is logged and exported as a metric label."""
+    """Decide for one arrival; ``reason`` is logged and exported as a metric label.
+
+    ``offline_rank`` is the rank of the offline (harvest) class, or ``None`` when
+    offline co-serving is off.
+    """
     if not step.class_ranks:
         return PreemptionDecision(False, "idle")
     if min(step.class_ranks) <= arrival.cls.rank:
         return PreemptionDecision(False, "step-holds-equal-or-higher-class")
-    own_s = cost_model.latency_s(arrival.remaining_prefill_tokens, arrival.num_computed_tokens)
     remaining_step_s = max(step.started_s + step.predicted_s - now_s, 0.0)
+    layer_s = step.predicted_s / max(step.num_layers, 1)
+    if offline_rank is not None and min(step.class_ranks) >= offline_rank > arrival.cls.rank:
+        if remaining_step_s <= layer_s:
+            return PreemptionDecision(False, "step-ending")
+        return PreemptionDecision(True, "offline-yields-to-online")
+    own_s = cost_model.latency_s(arrival.remaining_prefill_tokens, arrival.num_computed_tokens)
     if now_s + remaining_step_s + own_s <= arrival.next_deadline_s:
         return PreemptionDecision(False, "deadline-met-without-preemption")
-    layer_s = step.predicted_s / max(step.num_layers, 1)
     if now_s + layer_s + own_s > arrival.next_deadline_s:
         return PreemptionDecision(False, "deadline-missed-either-way")
     return PreemptionDecision(True, "deadline-at-risk")

@@ -11,20 +11,28 @@ fill the step, which requests fit in it, and how many new tokens it may take.
    is below ``urgency_factor`` times the predicted time to drain all runnable
    work. Light load -> few urgent, EDF rules; overload -> most are urgent and
    gain density rules.
-3. Urgent requests go first, by density (gain of their next token per second
-   of predicted work, greedily as a fractional knapsack); normal ones follow
-   by earliest deadline, and requests whose next deadline has already passed
-   (they can earn nothing now, but every later token is due sooner) join them
-   in that order rather than starving at the back.
-4. Requests that waited longer than ``max_wait_s`` for their first token are
-   promoted to the front (no starvation).
-5. The step's time budget η is the smallest slack among the urgent and
+3. A request's density is the gain it can still earn per second of the work it
+   still needs: its next token (if that can be on time) plus every later token
+   that can still meet its deadline, over its remaining prefill and decode
+   time. Counting the later tokens is what keeps a long interactive prompt
+   ahead of short low-class ones: its first token alone is worth little per
+   second of prefill, its whole answer is worth a lot.
+4. Urgent requests go first, by density (greedily, a fractional knapsack).
+   Requests whose next deadline has passed but whose later tokens can still
+   catch up join them by density; normal ones follow by earliest deadline, and
+   requests that can earn nothing more come last.
+5. Requests that waited longer than ``max_wait_s`` for their first token are
+   promoted (no starvation): the oldest goes first every step, with at most
+   ``promoted_share`` of the step's tokens, so starving work always advances
+   without taking the step from urgent work; the others wait their turn.
+6. The step's time budget η is the smallest slack among the urgent and
    running requests, clamped to [min_step_s, max_step_s], and becomes a token
    budget through the cost model.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +53,7 @@ class SlideConfig:
     max_wait_s: float = 30.0
     min_step_s: float = 0.01
     max_step_s: float = 2.0
+    promoted_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_step < 1:
@@ -53,6 +62,8 @@ class SlideConfig:
             raise ValueError(f"scheduler.urgencyFactor: must be >= 0, got {self.urgency_factor}")
         if self.max_wait_s <= 0:
             raise ValueError(f"scheduler.maxWaitS: must be > 0, got {self.max_wait_s}")
+        if not 0 < self.promoted_share <= 1:
+            raise ValueError(f"scheduler.promotedShare: must be in (0, 1], got {self.promoted_share}")
         if not 0 < self.min_step_s <= self.max_step_s:
             raise ValueError(
                 f"scheduler.minStepS/maxStepS: need 0 < minStepS <= maxStepS, got {self.min_step_s}, {self.max_step_s}"
@@ -80,6 +91,7 @@ class _Scored:
     work_tokens: int
     work_s: float
     slack_s: float
+    value: float
     density: float
 
 
@@ -104,13 +116,16 @@ class SlideBatching:
         )
         boundary_s = config.urgency_factor * load_s
 
-        promoted = [
+        waited = [
             s
             for s in scored
             if not s.request.is_running
             and s.request.num_output_tokens == 0
             and now_s - s.request.arrival_s > config.max_wait_s
         ]
+        waited.sort(key=lambda s: (s.request.arrival_s, s.request.request_id))
+        # Only the oldest starving request jumps the queue each step; the others keep their place.
+        promoted = waited[:1]
         promoted_ids = {s.request.request_id for s in promoted}
         rest = [s for s in scored if s.request.request_id not in promoted_ids]
         late = [s for s in rest if s.slack_s < 0]
@@ -119,16 +134,20 @@ class SlideBatching:
         urgent = [s for s in on_time if s.slack_s < boundary_s]
         urgent_ids = {s.request.request_id for s in urgent}
         normal = [s for s in on_time if s.request.request_id not in urgent_ids]
+        # NOTE: a late request whose later tokens can still catch up competes by density with the urgent
+        # ones (behind everything it would starve under sustained load); one that can earn nothing more
+        # goes last, where promotion still bounds its wait.
+        recoverable = [s for s in late if s.value > 0]
+        hopeless = [s for s in late if s.value <= 0]
 
-        promoted.sort(key=lambda s: (s.request.arrival_s, s.request.request_id))
-        urgent.sort(key=lambda s: (-s.density, s.request.next_deadline_s, s.request.request_id))
-        # NOTE: late requests join the normal ones in deadline order, i.e. right after the urgent ones.
-        # Behind everything they would starve under sustained load, and every further token of theirs
-        # would be late too; their overdue deadline puts them first among the normal requests.
-        normal = sorted(
-            normal + late, key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id)
+        by_density = sorted(
+            urgent + recoverable, key=lambda s: (-s.density, s.request.next_deadline_s, s.request.request_id)
         )
-        ordered = promoted + urgent + normal
+        by_deadline = sorted(
+            normal, key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id)
+        )
+        hopeless.sort(key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id))
+        ordered = promoted + by_density + by_deadline + hopeless
 
         slacks = [s.slack_s for s in urgent] + [s.slack_s for s in on_time if s.request.is_running]
         time_budget_s = min(max(min(slacks, default=config.max_step_s), config.min_step_s), config.max_step_s)
@@ -139,7 +158,8 @@ class SlideBatching:
             min(ordered[0].work_tokens, config.max_tokens_per_step), sum(1 for s in urgent if not s.request.in_prefill)
         )
         token_budget = min(max(token_budget, floor), config.max_tokens_per_step)
-        allowances = _fill(ordered, token_budget)
+        promoted_cap = max(1, math.ceil(config.promoted_share * config.max_tokens_per_step))
+        allowances = _fill(ordered, token_budget, {s.request.request_id: promoted_cap for s in promoted})
         return StepDecision(
             order=tuple(s.request.request_id for s in ordered),
             selected_ids=frozenset(allowances),
@@ -152,39 +172,40 @@ class SlideBatching:
         )
 
     def _score(self, request: SchedRequest, now_s: float) -> _Scored:
+        model = self.cost_model
+        context = request.num_computed_tokens
         work_tokens = min(request.remaining_prefill_tokens, self.config.max_tokens_per_step)
-        base_s = self.cost_model.latency_s(0, 0)
-        work_s = max(self.cost_model.latency_s(work_tokens, request.num_computed_tokens) - base_s, _MIN_WORK_S)
-        # A prefill chunk that does not finish the prompt emits no token this step.
-        finishes = work_tokens >= request.remaining_prefill_tokens
-        gain = (
-            request.next_token_weight()
-            if finishes
-            else request.next_token_weight() * (work_tokens / request.remaining_prefill_tokens)
-        )
+        base_s = model.latency_s(0, 0)
+        work_s = max(model.latency_s(work_tokens, context) - base_s, _MIN_WORK_S)
         # Slack counts all the work before the next token, even if it spans several steps.
+        finishes = work_tokens >= request.remaining_prefill_tokens
         remaining_s = (
             work_s
             if finishes
-            else max(
-                self.cost_model.latency_s(request.remaining_prefill_tokens, request.num_computed_tokens) - base_s,
-                _MIN_WORK_S,
-            )
+            else max(model.latency_s(request.remaining_prefill_tokens, context) - base_s, _MIN_WORK_S)
         )
         slack_s = request.next_deadline_s - now_s - remaining_s
-        return _Scored(request, work_tokens, work_s, slack_s, gain / work_s)
+        # Later tokens: a late request catches up if it decodes faster than its TPOT SLO; assume twice as fast.
+        later = max(request.max_output_tokens - request.num_output_tokens - 1, 0)
+        behind = math.ceil(-2.0 * slack_s / request.tpot_slo_s) if slack_s < 0 and request.tpot_slo_s > 0 else 0
+        value = (request.next_token_weight() if slack_s >= 0 else 0.0) + request.cls.weight * max(later - behind, 0)
+        per_token_s = max(model.latency_s(1, context) - base_s, _MIN_WORK_S)
+        density = value / (remaining_s + later * per_token_s)
+        return _Scored(request, work_tokens, work_s, slack_s, value, density)
 
 
-def _fill(ordered: Sequence[_Scored], token_budget: int) -> dict[str, int]:
+def _fill(ordered: Sequence[_Scored], token_budget: int, caps: dict[str, int]) -> dict[str, int]:
     """How many new tokens each request gets this step: walk ``ordered`` until the budget is spent.
 
-    The last one may get only part of its prefill (a chunk); vLLM chunks it the same way.
+    The last one may get only part of its prefill (a chunk), and so may a capped
+    (promoted) one; vLLM chunks them the same way.
     """
     allowances: dict[str, int] = {}
     left = token_budget
     for scored in ordered:
         if left <= 0:
             break
-        allowances[scored.request.request_id] = min(scored.work_tokens, left)
-        left -= scored.work_tokens
+        take = min(scored.work_tokens, left, caps.get(scored.request.request_id, scored.work_tokens))
+        allowances[scored.request.request_id] = take
+        left -= take
     return allowances
