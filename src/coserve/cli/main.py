@@ -117,7 +117,52 @@ def _parser() -> argparse.ArgumentParser:
     crd.set_defaults(handler=_cmd_crd)
 
     _add_profile_command(commands)
+    _add_operator_command(commands)
     return parser
+
+
+def _add_operator_command(commands: Any) -> None:
+    operator = commands.add_parser(
+        "operator",
+        help="run the CoServePool operator (kopf) against the current cluster",
+        description="Reconcile CoServePool objects into prefiller, decoder and router workloads. In a pod it "
+        "uses the service account; elsewhere the current kubeconfig context.",
+    )
+    scope = operator.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n", "--namespace", action="append", metavar="NS", help="watch only NS (repeatable; namespaced mode)"
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    peers = operator.add_mutually_exclusive_group()
+    peers.add_argument(
+        "--peering", metavar="NAME", default="coserve", help="kopf peering name (default: coserve); one replica acts"
+    )
+    peers.add_argument("--standalone", action="store_true", help="no peering: only for a single replica")
+    operator.add_argument(
+        "--resync-s", type=float, default=30.0, metavar="S", help="re-check every pool every S seconds (default: 30)"
+    )
+    operator.add_argument("--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    operator.set_defaults(handler=_cmd_operator)
+
+
+def _cmd_operator(args: argparse.Namespace) -> int:
+    if args.resync_s <= 0:
+        raise InvalidInput([Problem("--resync-s", f"must be positive, got {args.resync_s}")], source="coserve operator")
+    import kopf
+
+    from coserve.operator.handlers import build_registry
+
+    registry = build_registry(peering=None if args.standalone else args.peering, resync_s=args.resync_s)
+    kopf.configure(verbose=False)
+    kopf.run(
+        registry=registry,
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        namespaces=args.namespace or (),
+        clusterwide=not args.namespace,
+        liveness_endpoint=args.liveness,
+    )
+    return EXIT_OK
 
 
 def _add_profile_option(parser: argparse.ArgumentParser) -> None:

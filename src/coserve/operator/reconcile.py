@@ -1,0 +1,322 @@
+"""The operator's decisions for one CoServePool, as plain data: what to create, what to patch, what status to write.
+
+Who calls it: the kopf handlers in ``coserve.operator.handlers`` on every
+create, update, resume, timer tick and child event. They read the pool and its
+children from the API server, call ``reconcile``, then carry out the actions,
+write the status and post the events. Everything that decides lives here and is
+pure (no kopf, no Kubernetes client, no clock: ``now`` is an argument), so the
+decisions are tested table-driven without a cluster.
+
+Rules:
+
+- A spec that the schema accepts but the provisioning model rejects (min above
+  max, an SLO the profile can never meet, ...) gives PlanValid=False naming the
+  field, a Warning event, and **no** child created or changed.
+- Children are created when missing and patched when they drifted from the
+  desired state (a field the operator sets has another value); fields the API
+  server or other controllers add are left alone, so the operator never fights
+  defaulting. Two reconciles of the same generation and state do nothing.
+- While ``spec.autoscaling.enabled``, the Deployments' replica counts belong to
+  the autoscaler: they are created at the plan's counts and never reset.
+- A child that exists but is not controlled by this pool (no owner reference
+  with the pool's uid) is never touched: Degraded=True with reason ChildConflict.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from coserve.api.conditions import set_condition
+from coserve.api.parse import parse_pool
+from coserve.api.problems import InvalidInput, Problem
+from coserve.api.profile import EngineProfile
+from coserve.api.resource import CoServePool
+from coserve.api.status import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    Plan,
+    ReplicaStatus,
+    RoleReplicas,
+    StatusModel,
+)
+from coserve.operator.resources import Manifest, build_children, child_name
+from coserve.provisioning import plan_for
+
+__all__ = ["ChildAction", "ChildKey", "PoolEvent", "Reconciliation", "drift", "reconcile"]
+
+ChildKey = tuple[str, str]  # (kind, name)
+
+_ROLE_DEPLOYMENTS = (("prefillers", "prefiller"), ("decoders", "decoder"), ("routers", "router"))
+
+
+@dataclass(frozen=True)
+class ChildAction:
+    """Create ``body``, or merge-patch the child with ``body`` (the desired object)."""
+
+    verb: Literal["create", "patch"]
+    kind: str
+    name: str
+    body: Manifest
+    reason: str
+
+
+@dataclass(frozen=True)
+class PoolEvent:
+    """A Kubernetes Event to post on the pool."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    actions: tuple[ChildAction, ...]
+    status: dict[str, Any]
+    events: tuple[PoolEvent, ...]
+    plan_valid: bool
+    desired: tuple[Manifest, ...] = field(default=())
+
+
+def reconcile(
+    body: Mapping[str, Any],
+    observed: Mapping[ChildKey, Mapping[str, Any] | None],
+    now: datetime,
+    *,
+    measured_profile: EngineProfile | None = None,
+    profile_problem: Problem | None = None,
+    operator_image_tag: str | None = None,
+) -> Reconciliation:
+    """Decide one reconcile of the pool ``body`` given its ``observed`` children (``None``: absent).
+
+    ``measured_profile`` is the profile ``spec.profile.configMapRef`` points at, read
+    by the adapter; ``profile_problem`` says why it could not be read.
+    """
+    previous = _previous_status(body.get("status"))
+    generation = _generation(body)
+    try:
+        pool = parse_pool({k: v for k, v in body.items() if k != "status"})
+        if profile_problem is not None:
+            raise InvalidInput([profile_problem])
+        plan = plan_for(pool.spec, measured_profile)
+    except InvalidInput as error:
+        return _invalid(previous, generation, error.problems, now)
+
+    desired = build_children(pool, plan, operator_image_tag=operator_image_tag)
+    autoscaled = pool.spec.autoscaling.enabled
+    uid = pool.metadata.uid
+    actions: list[ChildAction] = []
+    conflicts: list[str] = []
+    for child in desired:
+        kind, name = child["kind"], child["metadata"]["name"]
+        current = observed.get((kind, name))
+        if current is None:
+            actions.append(ChildAction("create", kind, name, child, "missing"))
+            continue
+        if uid is not None and not _controlled_by(current, uid):
+            conflicts.append(f"{kind} {name} exists and is not controlled by this pool")
+            continue
+        wanted = _keep_autoscaled_replicas(child, current) if autoscaled else child
+        changed = drift(wanted, current)
+        if changed:
+            actions.append(ChildAction("patch", kind, name, wanted, "drifted: " + ", ".join(changed[:5])))
+
+    status = _status(pool, plan, previous, generation, observed, actions, conflicts, now)
+    events = [PoolEvent("Normal", _verb_reason(a), _action_message(a)) for a in actions]
+    events += [PoolEvent("Warning", "ChildConflict", message) for message in conflicts]
+    if previous.plan is None or (previous.plan.prefillers, previous.plan.decoders) != (plan.prefillers, plan.decoders):
+        events.insert(0, PoolEvent("Normal", "Planned", _plan_message(plan)))
+    return Reconciliation(tuple(actions), status, tuple(events), True, tuple(desired))
+
+
+def drift(desired: Any, observed: Any, path: str = "") -> list[str]:
+    """Paths where ``observed`` differs from ``desired`` in a field ``desired`` sets.
+
+    Fields only ``observed`` has (server defaults, other controllers' annotations)
+    are not drift. Lists must match element by element.
+    """
+    if isinstance(desired, Mapping):
+        if not isinstance(observed, Mapping):
+            return [path or "."]
+        out: list[str] = []
+        for key, value in desired.items():
+            out += drift(value, observed.get(key), f"{path}.{key}" if path else str(key))
+        return out
+    if isinstance(desired, list):
+        if not isinstance(observed, list) or len(observed) != len(desired):
+            return [path]
+        out = []
+        for index, (want, have) in enumerate(zip(desired, observed, strict=True)):
+            out += drift(want, have, f"{path}[{index}]")
+        return out
+    if isinstance(desired, bool) or isinstance(observed, bool):
+        return [] if desired is observed else [path]
+    return [] if desired == observed else [path]
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def _generation(body: Mapping[str, Any]) -> int | None:
+    metadata = body.get("metadata")
+    value = metadata.get("generation") if isinstance(metadata, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _previous_status(raw: object) -> StatusModel:
+    """The status the operator wrote last time; anything unreadable (or kopf's own keys) is dropped."""
+    if not isinstance(raw, Mapping):
+        return StatusModel()
+    known = {k: v for k, v in raw.items() if k in _STATUS_KEYS}
+    try:
+        return StatusModel.model_validate_json(json.dumps(known))
+    except (ValidationError, TypeError, ValueError):
+        conditions = []
+        for item in raw.get("conditions") or []:
+            try:
+                conditions.append(Condition.model_validate_json(json.dumps(item)))
+            except (ValidationError, TypeError, ValueError):
+                continue
+        return StatusModel(conditions=conditions)
+
+
+_STATUS_KEYS = {f.alias or name for name, f in StatusModel.model_fields.items()}
+
+
+def _controlled_by(child: Mapping[str, Any], uid: str) -> bool:
+    references = (child.get("metadata") or {}).get("ownerReferences") or []
+    return any(isinstance(ref, Mapping) and ref.get("uid") == uid and ref.get("controller") for ref in references)
+
+
+def _keep_autoscaled_replicas(child: Manifest, current: Mapping[str, Any]) -> Manifest:
+    if child["kind"] != "Deployment" or child["metadata"]["labels"].get("coserve.dev/role") == "router":
+        return child
+    replicas = (current.get("spec") or {}).get("replicas")
+    if not isinstance(replicas, int):
+        return child
+    return {**child, "spec": {**child["spec"], "replicas": replicas}}
+
+
+def _ready(observed: Mapping[ChildKey, Mapping[str, Any] | None], name: str) -> int:
+    deployment = observed.get(("Deployment", name)) or {}
+    value = (deployment.get("status") or {}).get("readyReplicas", 0)
+    return value if isinstance(value, int) else 0
+
+
+def _desired_replicas(desired_count: int, observed: Mapping[ChildKey, Mapping[str, Any] | None], name: str) -> int:
+    deployment = observed.get(("Deployment", name))
+    value = ((deployment or {}).get("spec") or {}).get("replicas")
+    return value if isinstance(value, int) and deployment is not None else desired_count
+
+
+def _failing(observed: Mapping[ChildKey, Mapping[str, Any] | None], names: Sequence[str]) -> list[str]:
+    """Deployments the controller gave up on (progress deadline exceeded, or pods failing to be created)."""
+    out = []
+    for name in names:
+        deployment = observed.get(("Deployment", name)) or {}
+        for condition in (deployment.get("status") or {}).get("conditions") or []:
+            kind, state, reason = condition.get("type"), condition.get("status"), condition.get("reason")
+            if (kind == "Progressing" and state == "False") or (kind == "ReplicaFailure" and state == "True"):
+                out.append(f"Deployment {name}: {reason or kind}: {condition.get('message', '')}".rstrip(": "))
+    return out
+
+
+def _status(
+    pool: CoServePool,
+    plan: Plan,
+    previous: StatusModel,
+    generation: int | None,
+    observed: Mapping[ChildKey, Mapping[str, Any] | None],
+    actions: Sequence[ChildAction],
+    conflicts: Sequence[str],
+    now: datetime,
+) -> dict[str, Any]:
+    name = pool.metadata.name
+    wanted = {"prefillers": plan.prefillers, "decoders": plan.decoders, "routers": pool.spec.router.replicas}
+    autoscaled = pool.spec.autoscaling.enabled
+    replicas = {}
+    for role, component in _ROLE_DEPLOYMENTS:
+        deployment = child_name(name, component)
+        desired = wanted[role]
+        if autoscaled and role != "routers":
+            desired = _desired_replicas(desired, observed, deployment)
+        replicas[role] = RoleReplicas(desired=desired, ready=_ready(observed, deployment))
+    lagging = [f"{role} {r.ready}/{r.desired} ready" for role, r in replicas.items() if r.ready < r.desired]
+    failing = _failing(observed, [child_name(name, c) for _, c in _ROLE_DEPLOYMENTS])
+
+    conditions = previous.conditions
+    conditions = set_condition(
+        conditions, ConditionType.PLAN_VALID, ConditionStatus.TRUE, "PlanComputed", _plan_message(plan), now, generation
+    )
+    if actions:
+        progressing = (ConditionStatus.TRUE, "Reconciling", "; ".join(_action_message(a) for a in actions))
+    elif lagging:
+        progressing = (ConditionStatus.TRUE, "WaitingForReplicas", ", ".join(lagging))
+    else:
+        progressing = (ConditionStatus.FALSE, "Converged", "every child matches the plan")
+    conditions = set_condition(conditions, ConditionType.PROGRESSING, *progressing, now, generation)
+    if conflicts:
+        degraded = (ConditionStatus.TRUE, "ChildConflict", "; ".join(conflicts))
+    elif failing:
+        degraded = (ConditionStatus.TRUE, "DeploymentFailing", "; ".join(failing))
+    else:
+        degraded = (ConditionStatus.FALSE, "AsExpected", "no child is failing")
+    conditions = set_condition(conditions, ConditionType.DEGRADED, *degraded, now, generation)
+    if not actions and not lagging and not conflicts:
+        ready = (ConditionStatus.TRUE, "AllReplicasReady", "every role has its desired replicas ready")
+    else:
+        ready = (ConditionStatus.FALSE, "ReplicasNotReady", ", ".join(lagging) or "children are being reconciled")
+    conditions = set_condition(conditions, ConditionType.READY, *ready, now, generation)
+
+    status = StatusModel(
+        observed_generation=generation,
+        conditions=conditions,
+        plan=plan,
+        replicas=ReplicaStatus(**replicas),
+        prefillers=f"{replicas['prefillers'].desired}/{replicas['prefillers'].ready}",
+        decoders=f"{replicas['decoders'].desired}/{replicas['decoders'].ready}",
+    )
+    return status.to_wire()
+
+
+def _invalid(
+    previous: StatusModel, generation: int | None, problems: Sequence[Problem], now: datetime
+) -> Reconciliation:
+    message = "; ".join(str(p) for p in problems)
+    conditions = set_condition(
+        previous.conditions, ConditionType.PLAN_VALID, ConditionStatus.FALSE, "InvalidSpec", message, now, generation
+    )
+    conditions = set_condition(
+        conditions,
+        ConditionType.READY,
+        ConditionStatus.FALSE,
+        "InvalidSpec",
+        "no child is created or changed until the spec is fixed",
+        now,
+        generation,
+    )
+    status = previous.model_copy(update={"observed_generation": generation, "conditions": conditions})
+    return Reconciliation((), status.to_wire(), (PoolEvent("Warning", "InvalidSpec", message),), False)
+
+
+def _plan_message(plan: Plan) -> str:
+    return (
+        f"{plan.prefillers} prefillers, {plan.decoders} decoders; binding constraint "
+        f"{plan.binding_constraint.value}, first bottleneck {plan.bottleneck.value}"
+    )
+
+
+def _verb_reason(action: ChildAction) -> str:
+    return "Created" if action.verb == "create" else "Patched"
+
+
+def _action_message(action: ChildAction) -> str:
+    verb = "created" if action.verb == "create" else f"patched ({action.reason})"
+    return f"{action.kind} {action.name} {verb}"

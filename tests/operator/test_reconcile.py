@@ -1,0 +1,263 @@
+"""Tests of coserve.operator.reconcile: the operator's decisions, without a cluster."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from coserve.api.problems import Problem
+from coserve.operator.reconcile import ChildKey, drift, reconcile
+
+NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+LATER = datetime(2026, 12, 2, 12, 5, tzinfo=UTC)
+UID = "0b6a1c0e-7d4f-4b8e-9a57-3f1f6f0c2a11"
+
+POOL: dict[str, Any] = {
+    "apiVersion": "coserve.dev/v1alpha1",
+    "kind": "CoServePool",
+    "metadata": {"name": "chat", "namespace": "serving", "uid": UID, "generation": 1},
+    "spec": {
+        "model": {"name": "Qwen/Qwen3-8B"},
+        "workload": {"arrivalRatePerS": 2.0, "inputTokens": 2000, "outputTokens": 500, "lifetimeS": 60.0},
+        "profile": {
+            "prefillLatency": {"constantS": 0.01, "perTokenS": 0.0001},
+            "decodeThroughputTokensPerS": 2000.0,
+            "kvCapacityTokens": 400000,
+        },
+    },
+}
+
+
+def pool(**spec_updates: Any) -> dict[str, Any]:
+    body = copy.deepcopy(POOL)
+    body["spec"].update(copy.deepcopy(spec_updates))
+    return body
+
+
+def applied(body: dict[str, Any], ready: bool = True) -> dict[ChildKey, dict[str, Any]]:
+    """What the API server holds after the operator's first reconcile, with server-side additions."""
+    result = reconcile(body, {}, NOW)
+    observed: dict[ChildKey, dict[str, Any]] = {}
+    for action in result.actions:
+        child = copy.deepcopy(action.body)
+        child["metadata"]["uid"] = f"uid-{action.name}"
+        child["metadata"]["resourceVersion"] = "17"
+        if child["kind"] == "Deployment":
+            child["spec"]["progressDeadlineSeconds"] = 600  # a server default the operator never sets
+            replicas = child["spec"]["replicas"]
+            child["status"] = {"replicas": replicas, "readyReplicas": replicas if ready else 0}
+        observed[(action.kind, action.name)] = child
+    return observed
+
+
+def with_status(
+    body: dict[str, Any], observed: dict[ChildKey, dict[str, Any]], written_for: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``body`` as the next reconcile sees it: with the status the last one (of ``written_for``) wrote."""
+    out = copy.deepcopy(body)
+    out["status"] = reconcile(written_for or body, observed, NOW).status
+    return out
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def test_a_new_pool_creates_every_child_and_reports_progress() -> None:
+    result = reconcile(pool(), {}, NOW)
+    assert [(a.verb, a.kind, a.name) for a in result.actions] == [
+        ("create", "ConfigMap", "chat-config"),
+        ("create", "Deployment", "chat-prefiller"),
+        ("create", "Deployment", "chat-decoder"),
+        ("create", "Deployment", "chat-router"),
+        ("create", "Service", "chat-router"),
+        ("create", "Service", "chat-prefiller"),
+        ("create", "Service", "chat-decoder"),
+    ]
+    for action in result.actions:
+        (owner,) = action.body["metadata"]["ownerReferences"]
+        assert owner["uid"] == UID and owner["controller"] is True
+    status = result.status
+    assert status["observedGeneration"] == 1
+    assert status["plan"]["prefillers"] == 1 and status["plan"]["decoders"] >= 1
+    assert condition(status, "PlanValid")["status"] == "True"
+    assert condition(status, "Progressing")["reason"] == "Reconciling"
+    assert condition(status, "Ready")["status"] == "False"
+    assert [e.reason for e in result.events] == ["Planned"] + ["Created"] * 7
+
+
+def test_a_converged_pool_does_nothing_and_is_ready() -> None:
+    observed = applied(pool())
+    body = with_status(pool(), observed)
+    result = reconcile(body, observed, LATER)
+    assert result.actions == ()
+    assert result.events == ()  # nothing changed: no event noise on every resync
+    status = result.status
+    assert condition(status, "Ready") | {"lastTransitionTime": None} == condition(status, "Ready") | {
+        "status": "True",
+        "reason": "AllReplicasReady",
+        "lastTransitionTime": None,
+    }
+    assert condition(status, "Progressing")["reason"] == "Converged"
+    assert condition(status, "Degraded")["status"] == "False"
+    decoders = status["replicas"]["decoders"]
+    assert status["decoders"] == f"{decoders['desired']}/{decoders['ready']}"
+
+
+def test_two_reconciles_of_the_same_state_decide_the_same_thing() -> None:
+    first = reconcile(pool(), {}, NOW)
+    second = reconcile(pool(), {}, NOW)
+    assert first == second
+
+
+def test_conditions_keep_their_transition_time_while_their_status_holds() -> None:
+    observed = applied(pool())
+    body = with_status(pool(), {})  # written when the children were being created
+    again = reconcile(body, observed, LATER).status
+    assert condition(again, "PlanValid")["lastTransitionTime"] == "2026-12-02T12:00:00Z"
+    assert condition(again, "Ready")["lastTransitionTime"] == "2026-12-02T12:05:00Z"  # False -> True now
+
+
+def test_a_spec_change_patches_the_children_it_affects() -> None:
+    observed = applied(pool())
+    busier = pool(workload={**POOL["spec"]["workload"], "arrivalRatePerS": 6.0})
+    busier["metadata"]["generation"] = 2
+    result = reconcile(with_status(busier, observed, written_for=pool()), observed, LATER)
+    patched = {(a.kind, a.name): a for a in result.actions}
+    assert set(patched) <= {
+        ("Deployment", "chat-prefiller"),
+        ("Deployment", "chat-decoder"),
+        ("ConfigMap", "chat-config"),
+    }
+    assert ("Deployment", "chat-decoder") in patched
+    assert all(a.verb == "patch" for a in result.actions)
+    assert "spec.replicas" in patched[("Deployment", "chat-decoder")].reason
+    assert result.status["observedGeneration"] == 2
+    assert "Planned" in [e.reason for e in result.events]
+
+
+def test_a_child_deleted_by_hand_is_recreated_and_nothing_else_is_touched() -> None:
+    observed = applied(pool())
+    del observed[("Service", "chat-router")]
+    result = reconcile(with_status(pool(), observed), observed, LATER)
+    assert [(a.verb, a.kind, a.name) for a in result.actions] == [("create", "Service", "chat-router")]
+
+
+def test_a_child_edited_by_hand_is_brought_back() -> None:
+    observed = applied(pool())
+    container = observed[("Deployment", "chat-decoder")]["spec"]["template"]["spec"]["containers"][0]
+    container["image"] = "example.com/hacked:latest"
+    observed[("Deployment", "chat-router")]["spec"]["replicas"] = 9
+    result = reconcile(with_status(pool(), observed), observed, LATER)
+    reasons = {a.name: a.reason for a in result.actions}
+    assert set(reasons) == {"chat-decoder", "chat-router"}
+    assert "spec.template.spec.containers" in reasons["chat-decoder"]
+    assert reasons["chat-router"] == "drifted: spec.replicas"
+
+
+def test_replica_counts_belong_to_the_autoscaler_when_it_is_on() -> None:
+    autoscaled = pool(autoscaling={"enabled": True, "prometheusUrl": "http://prometheus:9090"})
+    observed = applied(autoscaled)
+    observed[("Deployment", "chat-decoder")]["spec"]["replicas"] = 7
+    observed[("Deployment", "chat-decoder")]["status"]["readyReplicas"] = 7
+    result = reconcile(with_status(autoscaled, observed), observed, LATER)
+    assert result.actions == ()
+    assert result.status["replicas"]["decoders"] == {"desired": 7, "ready": 7}
+    # ... but only the replica count: an edited image is still put back.
+    observed[("Deployment", "chat-decoder")]["spec"]["template"]["spec"]["containers"][0]["image"] = "x:1"
+    (action,) = reconcile(with_status(autoscaled, observed), observed, LATER).actions
+    assert action.body["spec"]["replicas"] == 7
+
+
+@pytest.mark.parametrize(
+    ("spec_updates", "field"),
+    [
+        (
+            {
+                "autoscaling": {
+                    "enabled": True,
+                    "prometheusUrl": "http://prometheus:9090",
+                    "decoders": {"minReplicas": 5, "maxReplicas": 2},
+                }
+            },
+            "spec.autoscaling.decoders.minReplicas",
+        ),
+        ({"autoscaling": {"enabled": True}}, "spec.autoscaling.prometheusUrl"),
+        ({"workload": {**POOL["spec"]["workload"], "arrivalRatePerS": 1e9}}, "spec.workload.arrivalRatePerS"),
+    ],
+)
+def test_a_semantically_invalid_spec_creates_and_changes_nothing(spec_updates: dict[str, Any], field: str) -> None:
+    observed = applied(pool())
+    body = pool(**spec_updates)
+    for children in ({}, observed):
+        result = reconcile(body, children, NOW)
+        assert not result.plan_valid
+        assert result.actions == ()
+        plan_valid = condition(result.status, "PlanValid")
+        assert plan_valid["status"] == "False" and plan_valid["reason"] == "InvalidSpec"
+        assert field in plan_valid["message"]
+        assert [(e.type, e.reason) for e in result.events] == [("Warning", "InvalidSpec")]
+        assert field in result.events[0].message
+
+
+def test_an_unreadable_profile_reference_is_reported_like_an_invalid_spec() -> None:
+    problem = Problem("spec.profile.configMapRef.name", 'ConfigMap "missing" not found in namespace serving')
+    result = reconcile(pool(), {}, NOW, profile_problem=problem)
+    assert result.actions == ()
+    assert "configMapRef" in condition(result.status, "PlanValid")["message"]
+
+
+def test_a_child_that_belongs_to_someone_else_is_never_touched() -> None:
+    observed = applied(pool())
+    foreign = observed[("Service", "chat-router")]
+    foreign["metadata"]["ownerReferences"] = []
+    foreign["spec"]["type"] = "LoadBalancer"
+    result = reconcile(with_status(pool(), observed), observed, LATER)
+    assert result.actions == ()
+    degraded = condition(result.status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ChildConflict")
+    assert "Service chat-router" in degraded["message"]
+    assert ("Warning", "ChildConflict") in [(e.type, e.reason) for e in result.events]
+
+
+def test_a_failing_deployment_marks_the_pool_degraded() -> None:
+    observed = applied(pool(), ready=False)
+    observed[("Deployment", "chat-decoder")]["status"]["conditions"] = [
+        {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "ProgressDeadlineExceeded",
+            "message": 'ReplicaSet "chat-decoder-5d9" has timed out progressing.',
+        }
+    ]
+    status = reconcile(with_status(pool(), observed), observed, LATER).status
+    degraded = condition(status, "Degraded")
+    assert degraded["reason"] == "DeploymentFailing" and "ProgressDeadlineExceeded" in degraded["message"]
+    assert condition(status, "Ready")["reason"] == "ReplicasNotReady"
+    assert condition(status, "Progressing")["reason"] == "WaitingForReplicas"
+
+
+def test_status_written_by_others_does_not_break_a_reconcile() -> None:
+    body = pool()
+    body["status"] = {"kopf": {"progress": {}}, "conditions": [{"type": "Bogus"}], "plan": "not a plan"}
+    result = reconcile(body, {}, NOW)
+    assert result.plan_valid and len(result.actions) == 7
+    assert "kopf" not in result.status
+
+
+@pytest.mark.parametrize(
+    ("desired", "observed", "paths"),
+    [
+        ({"a": 1}, {"a": 1, "server": "default"}, []),
+        ({"a": {"b": [1, 2]}}, {"a": {"b": [1, 3]}}, ["a.b[1]"]),
+        ({"a": [1]}, {"a": [1, 2]}, ["a"]),
+        ({"a": True}, {"a": 1}, ["a"]),
+        ({"a": {"b": 1}}, {}, ["a"]),
+        ({"a": [{"x": 1}]}, {"a": [{"x": 1, "y": 2}]}, []),
+    ],
+)
+def test_drift_only_looks_at_fields_the_operator_sets(desired: Any, observed: Any, paths: list[str]) -> None:
+    assert drift(desired, observed) == paths
