@@ -7,7 +7,7 @@ default registry. Tests build a registry against kmock's Kubernetes emulator.
 When a reconcile runs (always the whole pool, under a per-pool lock):
 
 - the pool is created, its spec changes, or the operator starts (resume);
-- every ``resync_s`` seconds (a kopf timer), which picks up readiness changes;
+- every ``resync_s`` seconds for every known pool, which picks up readiness changes;
 - a Deployment, Service or ConfigMap labelled ``app.kubernetes.io/managed-by:
   coserve-operator`` changes or disappears: its controlling pool is reconciled,
   so a child deleted or edited by hand is put back within a watch event.
@@ -29,20 +29,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
+import httpx
 import kopf
 import yaml
 
 from coserve import __version__
+from coserve.api.conditions import rfc3339
 from coserve.api.parse import parse_profile
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import GROUP, KIND, PLURAL, VERSION
 from coserve.operator.kube import ClusterAccess, KubeClient, KubeError
-from coserve.operator.reconcile import ChildKey, Reconciliation, reconcile
+from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
 from coserve.operator.resources import MANAGED_BY, MANAGED_BY_LABEL, child_name
 
 __all__ = ["DEFAULT_RESYNC_S", "PoolReconciler", "build_registry", "configure"]
@@ -112,8 +115,40 @@ class PoolReconciler:
             if body.get("status") != result.status:
                 await self._write_status(namespace, name, result.status)
             for event in result.events:
-                kopf.event(cast(Any, body), type=event.type, reason=event.reason, message=event.message)
+                await self._post_event(namespace, body, event)
             return result
+
+    async def _post_event(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
+        """A core/v1 Event on the pool (``kubectl describe csp`` shows it); failures are logged, not raised."""
+        metadata = pool.get("metadata") or {}
+        now = rfc3339(self.clock())
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            # a unique name instead of generateName: the same on every API server, and one round trip
+            "metadata": {"name": f"{metadata.get('name')}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": pool.get("apiVersion"),
+                "kind": KIND,
+                "name": metadata.get("name"),
+                "namespace": namespace,
+                "uid": metadata.get("uid"),
+                "resourceVersion": metadata.get("resourceVersion"),
+            },
+            "type": event.type,
+            "reason": event.reason,
+            "message": event.message[:1024],
+            "source": {"component": MANAGED_BY},
+            "reportingComponent": f"coserve.dev/{MANAGED_BY}",
+            "reportingInstance": os.environ.get("HOSTNAME", MANAGED_BY),
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self.kube.create("Event", namespace, body)
+        except (KubeError, httpx.HTTPError) as error:
+            logger.warning("%s/%s: could not post event %s: %s", namespace, metadata.get("name"), event.reason, error)
 
     async def _write_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         # A merge patch replaces lists (conditions) whole; the status subresource keeps spec untouched.
@@ -173,15 +208,35 @@ def build_registry(
     state: dict[str, Any] = {}
     tag = image_tag if image_tag is not None else os.environ.get("COSERVE_IMAGE_TAG", __version__)
 
+    known: set[tuple[str, str]] = set()  # (namespace, name) of every pool seen and not deleted
+
+    async def resync_forever() -> None:
+        # NOTE: a plain task rather than a kopf timer: kopf puts a finalizer on every object with a timer,
+        # and a finalizer would make deleting a pool wait for the operator.
+        while True:
+            await asyncio.sleep(resync_s)
+            for namespace, name in sorted(known):
+                try:
+                    await run(namespace, name)
+                except kopf.TemporaryError as error:
+                    logger.warning("%s/%s: resync failed: %s", namespace, name, error)
+                except Exception:  # one bad pool must not stop the resync of the others
+                    logger.exception("%s/%s: resync failed", namespace, name)
+
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure(settings, peering=peering)
         cluster = access()
         state["access"] = cluster
         state["reconciler"] = PoolReconciler(KubeClient(cluster), image_tag=tag)
+        state["resync"] = asyncio.create_task(resync_forever())
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        task = state.pop("resync", None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         reconciler = state.pop("reconciler", None)
         if reconciler is not None:
             await reconciler.kube.close()
@@ -213,9 +268,14 @@ def build_registry(
     async def pool_changed(namespace: str | None, name: str | None, **_: Any) -> None:
         await run(namespace, name)
 
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_s, initial_delay=resync_s, registry=registry)
-    async def resync(namespace: str | None, name: str | None, **_: Any) -> None:
-        await run(namespace, name)
+    @kopf.on.event(GROUP, VERSION, PLURAL, id="pool-seen", registry=registry)
+    async def pool_seen(type: str | None, namespace: str | None, name: str | None, **_: Any) -> None:
+        if namespace is None or name is None:
+            return
+        if type == "DELETED":
+            known.discard((namespace, name))
+        else:
+            known.add((namespace, name))
 
     labels = {MANAGED_BY_LABEL: MANAGED_BY}
     for group, plural in (("apps", "deployments"), ("", "services"), ("", "configmaps")):
