@@ -164,3 +164,38 @@ def test_selection_stops_when_the_token_budget_is_spent() -> None:
     decision = policy.decide([third, second, first], now_s=0.0)
     assert decision.order == ("first", "second", "third")
     assert decision.selected_ids == {"first", "second"}
+
+
+def test_a_top_class_request_about_to_miss_its_deadline_runs_first() -> None:
+    # 600 tokens of interactive prefill, 0.2 s before its deadline, under overload: it must run now. By
+    # density alone the short standard prompts (one-token answers) would go first and it would miss.
+    critical = make_request("critical", "interactive", prompt=600, arrival_s=-0.9, max_output_tokens=4)
+    short = [make_request(f"s{i}", "standard", prompt=10, arrival_s=-4.9, max_output_tokens=1) for i in range(20)]
+    crowd = [make_request(f"c{i}", "offline", prompt=3000) for i in range(10)]
+    decision = POLICY.decide([*short, *crowd, critical], now_s=0.0)
+    assert decision.order[0] == "critical"
+    assert "critical" in decision.selected_ids
+
+
+def test_lower_class_requests_about_to_miss_keep_competing_by_density() -> None:
+    # A standard request 40 ms from missing (one-token answer: little gain per second) and a denser standard
+    # one with 2 s of slack. Only the top class jumps ahead when critical; putting every class's critical
+    # requests first serves everyone at the last moment, in small steps, and loses gain under overload.
+    edge = make_request("edge", "standard", prompt=400, arrival_s=-4.92, max_output_tokens=1)
+    dense = make_request("dense", "standard", prompt=10, arrival_s=-3.0, max_output_tokens=64)
+    top = make_request("top", "interactive", prompt=10)  # present and on time: the top class is interactive
+    crowd = [make_request(f"c{i}", "offline", prompt=3000) for i in range(10)]
+    decision = POLICY.decide([edge, dense, top, *crowd], now_s=0.0)
+    assert {"edge", "dense"} <= decision.urgent_ids
+    assert decision.order.index("dense") < decision.order.index("edge")
+
+
+def test_a_hopeless_running_request_keeps_decoding_and_a_hopeless_waiting_one_goes_last() -> None:
+    running = decoding("running", "interactive", output=2, arrival_s=-30.0, max_output_tokens=3)
+    waiting = make_request("waiting", "interactive", prompt=10, arrival_s=-29.0, max_output_tokens=2)
+    normal = make_request("normal", "offline", prompt=10)
+    decision = POLICY.decide([waiting, normal, running], now_s=0.0)
+    assert decision.late_ids == {"running", "waiting"}
+    assert decision.order[-1] == "waiting"
+    assert decision.order.index("running") < decision.order.index("waiting")
+    assert "running" in decision.selected_ids
