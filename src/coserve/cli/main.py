@@ -142,18 +142,38 @@ def _add_operator_command(commands: Any) -> None:
         "--resync-s", type=float, default=30.0, metavar="S", help="re-check every pool every S seconds (default: 30)"
     )
     operator.add_argument("--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    operator.add_argument(
+        "--metrics-port", type=int, default=0, metavar="PORT", help="serve Prometheus metrics on PORT (default: off)"
+    )
+    operator.add_argument(
+        "--log-level",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default=os.environ.get("COSERVE_LOG_LEVEL", "INFO"),
+        help="log level (default: $COSERVE_LOG_LEVEL or INFO)",
+    )
     operator.set_defaults(handler=_cmd_operator)
 
 
 def _cmd_operator(args: argparse.Namespace) -> int:
+    problems = []
     if args.resync_s <= 0:
-        raise InvalidInput([Problem("--resync-s", f"must be positive, got {args.resync_s}")], source="coserve operator")
+        problems.append(Problem("--resync-s", f"must be positive, got {args.resync_s}"))
+    if not 0 <= args.metrics_port <= 65535:
+        problems.append(Problem("--metrics-port", f"must be a port number (0 = off), got {args.metrics_port}"))
+    if problems:
+        raise InvalidInput(problems, source="coserve operator")
+    import logging
+
     import kopf
+    import prometheus_client
 
     from coserve.operator.handlers import build_registry
 
     registry = build_registry(peering=None if args.standalone else args.peering, resync_s=args.resync_s)
-    kopf.configure(verbose=False)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kopf.configure(debug=args.log_level == "DEBUG", verbose=False)
+    if args.metrics_port:
+        prometheus_client.start_http_server(args.metrics_port)
     kopf.run(
         registry=registry,
         standalone=args.standalone,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -45,6 +46,7 @@ from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import GROUP, KIND, PLURAL, VERSION
 from coserve.operator.kube import ClusterAccess, KubeClient, KubeError
+from coserve.operator.metrics import CHILD_CHANGES, POOLS, RECONCILE_SECONDS, RECONCILES
 from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
 from coserve.operator.resources import MANAGED_BY, MANAGED_BY_LABEL, child_name
 
@@ -83,40 +85,53 @@ class PoolReconciler:
         """Reconcile one pool; ``None`` when it is gone or being deleted."""
         lock = self._locks.setdefault((namespace, name), asyncio.Lock())
         async with lock:
-            body = await self.kube.get(KIND, namespace, name)
-            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-                self._locks.pop((namespace, name), None)
-                return None
-            observed: dict[ChildKey, Mapping[str, Any] | None] = {}
-            for kind, component in CHILD_KINDS:
-                child = child_name(name, component)
-                observed[(kind, child)] = await self.kube.get(kind, namespace, child)
-            profile, problem = await self._profile(namespace, body)
-            result = reconcile(
-                body,
-                observed,
-                self.clock(),
-                measured_profile=profile,
-                profile_problem=problem,
-                operator_image_tag=self.image_tag,
-            )
-            for action in result.actions:
-                if action.verb == "create":
-                    try:
-                        await self.kube.create(action.kind, namespace, action.body)
-                    except KubeError as error:
-                        if error.status != 409:  # created meanwhile: the watch event reconciles again
-                            raise
-                else:
-                    await self.kube.merge_patch(action.kind, namespace, action.name, action.body)
-                logger.info(
-                    "%s/%s: %s %s %s (%s)", namespace, name, action.verb, action.kind, action.name, action.reason
-                )
-            if body.get("status") != result.status:
-                await self._write_status(namespace, name, result.status)
-            for event in result.events:
-                await self._post_event(namespace, body, event)
+            started = time.perf_counter()
+            try:
+                result = await self._reconcile(namespace, name)
+            except Exception:
+                RECONCILES.labels("error").inc()
+                raise
+            finally:
+                RECONCILE_SECONDS.observe(time.perf_counter() - started)
+            if result is not None:
+                RECONCILES.labels("ok" if result.plan_valid else "invalid").inc()
             return result
+
+    async def _reconcile(self, namespace: str, name: str) -> Reconciliation | None:
+        """Read, decide, write (the lock is held)."""
+        body = await self.kube.get(KIND, namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            self._locks.pop((namespace, name), None)
+            return None
+        observed: dict[ChildKey, Mapping[str, Any] | None] = {}
+        for kind, component in CHILD_KINDS:
+            child = child_name(name, component)
+            observed[(kind, child)] = await self.kube.get(kind, namespace, child)
+        profile, problem = await self._profile(namespace, body)
+        result = reconcile(
+            body,
+            observed,
+            self.clock(),
+            measured_profile=profile,
+            profile_problem=problem,
+            operator_image_tag=self.image_tag,
+        )
+        for action in result.actions:
+            if action.verb == "create":
+                try:
+                    await self.kube.create(action.kind, namespace, action.body)
+                except KubeError as error:
+                    if error.status != 409:  # created meanwhile: the watch event reconciles again
+                        raise
+            else:
+                await self.kube.merge_patch(action.kind, namespace, action.name, action.body)
+            CHILD_CHANGES.labels(action.verb, action.kind).inc()
+            logger.info("%s/%s: %s %s %s (%s)", namespace, name, action.verb, action.kind, action.name, action.reason)
+        if body.get("status") != result.status:
+            await self._write_status(namespace, name, result.status)
+        for event in result.events:
+            await self._post_event(namespace, body, event)
+        return result
 
     async def _post_event(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
         """A core/v1 Event on the pool (``kubectl describe csp`` shows it); failures are logged, not raised."""
@@ -276,6 +291,7 @@ def build_registry(
             known.discard((namespace, name))
         else:
             known.add((namespace, name))
+        POOLS.set(len(known))
 
     labels = {MANAGED_BY_LABEL: MANAGED_BY}
     for group, plural in (("apps", "deployments"), ("", "services"), ("", "configmaps")):

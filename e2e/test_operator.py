@@ -1,0 +1,135 @@
+"""The operator against a real cluster: a pool converges to its plan, and deleting it garbage-collects the children.
+
+The operator runs on this machine (`coserve operator --standalone -n NS`, with the
+same KUBECONFIG) unless E2E_OPERATOR_IN_CLUSTER=1 says one is already installed
+(`e2e/kind-up.sh --with-operator` installs the helm chart). Engine pods need GPUs
+and a model, so the tests check what the operator owns: the Deployments' replica
+counts, owner references and the pool's status, not pod readiness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import ROOT, Kubectl
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLE = ROOT / "examples" / "pool.yaml"
+POOL = "e2e-agents"
+CHILDREN = [
+    ("configmap", f"{POOL}-config"),
+    ("deployment", f"{POOL}-prefiller"),
+    ("deployment", f"{POOL}-decoder"),
+    ("deployment", f"{POOL}-router"),
+    ("service", f"{POOL}-router"),
+    ("service", f"{POOL}-prefiller"),
+    ("service", f"{POOL}-decoder"),
+]
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(1)
+
+
+def get_json(kubectl: Kubectl, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
+    proc = kubectl("get", kind, name, "-n", namespace, "-o", "json", "--ignore-not-found", check=False)
+    return json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+@pytest.fixture(scope="module")
+def operator(
+    kubectl: Kubectl, crd_applied: object, namespace: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    if os.environ.get("E2E_OPERATOR_IN_CLUSTER") == "1":
+        yield
+        return
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    coserve = Path(sys.executable).with_name("coserve")
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [str(coserve), "operator", "--standalone", "-n", namespace, "--resync-s", "5"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        if process.returncode not in (0, -15):
+            print(log.read_text()[-4000:])
+
+
+@pytest.fixture(scope="module")
+def pool(kubectl: Kubectl, namespace: str, operator: None) -> Iterator[dict[str, Any]]:
+    document = yaml.safe_load(EXAMPLE.read_text())
+    document["metadata"] = {"name": POOL, "namespace": namespace}
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(document))
+    plan = json.loads(
+        subprocess.run(
+            [str(Path(sys.executable).with_name("coserve")), "plan", str(EXAMPLE), "-o", "json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    yield plan
+    kubectl("delete", "coservepool", POOL, "-n", namespace, "--ignore-not-found", "--wait=false", check=False)
+
+
+def test_the_pool_converges_to_its_plan(kubectl: Kubectl, namespace: str, pool: dict[str, Any]) -> None:
+    wait_until(lambda: all(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "the seven children", 120)
+    body = get_json(kubectl, namespace, "coservepool", POOL)
+    assert body is not None
+    for kind, name in CHILDREN:
+        child = get_json(kubectl, namespace, kind, name)
+        assert child is not None
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+            "CoServePool",
+            POOL,
+            body["metadata"]["uid"],
+            True,
+        )
+    prefiller = get_json(kubectl, namespace, "deployment", f"{POOL}-prefiller")
+    decoder = get_json(kubectl, namespace, "deployment", f"{POOL}-decoder")
+    assert prefiller and decoder
+    plan = pool.get("plan", pool)
+    assert prefiller["spec"]["replicas"] == plan["prefillers"]
+    assert decoder["spec"]["replicas"] == plan["decoders"]
+
+    def status_written() -> bool:
+        current = get_json(kubectl, namespace, "coservepool", POOL) or {}
+        return (current.get("status") or {}).get("observedGeneration") == current["metadata"]["generation"]
+
+    wait_until(status_written, "status.observedGeneration", 60)
+    status = (get_json(kubectl, namespace, "coservepool", POOL) or {})["status"]
+    types = {c["type"]: c for c in status["conditions"]}
+    assert types["PlanValid"]["status"] == "True"
+    assert status["plan"]["decoders"] == plan["decoders"]
+
+
+def test_deleting_the_pool_garbage_collects_its_children(
+    kubectl: Kubectl, namespace: str, pool: dict[str, Any]
+) -> None:
+    wait_until(lambda: all(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "the seven children", 120)
+    kubectl("delete", "coservepool", POOL, "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_until(lambda: not any(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "garbage collection", 120)
