@@ -169,9 +169,14 @@ def _cmd_operator(args: argparse.Namespace) -> int:
 
     from coserve.operator.handlers import build_registry
 
-    registry = build_registry(peering=None if args.standalone else args.peering, resync_s=args.resync_s)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kopf.configure(debug=args.log_level == "DEBUG", verbose=False)
+    # Namespaced mode: kopf must not list namespaces or CRDs (the chart's Roles do not allow it).
+    registry = build_registry(
+        peering=None if args.standalone else args.peering, scanning=not args.namespace, resync_s=args.resync_s
+    )
+    kopf.configure(debug=args.log_level == "DEBUG", verbose=False)  # kopf's log format and handler
+    logging.getLogger().setLevel(args.log_level)
+    if args.log_level != "DEBUG":
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API request otherwise
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)
     kopf.run(

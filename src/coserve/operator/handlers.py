@@ -196,8 +196,13 @@ class PoolReconciler:
             return None, Problem(f"{path}.key", f"{ref['name']}[{key}]: " + "; ".join(map(str, error.problems)))
 
 
-def configure(settings: kopf.OperatorSettings, *, peering: str | None) -> None:
-    """Operator-wide kopf settings: annotations (not status) for kopf's own bookkeeping, and peering."""
+def configure(settings: kopf.OperatorSettings, *, peering: str | None, scanning: bool = True) -> None:
+    """Operator-wide kopf settings: annotations (not status) for kopf's own bookkeeping, peering, scanning.
+
+    ``scanning=False`` (namespaced mode, explicit namespaces) keeps kopf from listing
+    namespaces and CRDs, which a Role in each namespace does not allow.
+    """
+    settings.scanning.disabled = not scanning
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="coserve.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="coserve.dev")
     settings.posting.level = logging.WARNING  # kopf's own log lines are not Events; ours are
@@ -215,6 +220,7 @@ def build_registry(
     *,
     registry: kopf.OperatorRegistry | None = None,
     peering: str | None = None,
+    scanning: bool = True,
     resync_s: float = DEFAULT_RESYNC_S,
     image_tag: str | None = None,
 ) -> kopf.OperatorRegistry:
@@ -240,7 +246,7 @@ def build_registry(
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure(settings, peering=peering)
+        configure(settings, peering=peering, scanning=scanning)
         cluster = access()
         state["access"] = cluster
         state["reconciler"] = PoolReconciler(KubeClient(cluster), image_tag=tag)

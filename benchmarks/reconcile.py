@@ -1,0 +1,295 @@
+"""How fast the operator turns a new CoServePool into its children and a status, against kmock's emulator.
+
+The real ``coserve operator`` runs as its own process (its RSS is measured) with a
+kubeconfig pointing at kmock's Kubernetes emulator, served over HTTP in this
+process. For each pool, the clock runs from the create request to the moment the
+emulator holds all seven children and a status with the plan.
+
+- 1 pool at a time, ``--single`` times: p50/p99;
+- ``--burst`` pools created at once: p50/p99 and the last one.
+
+Baseline, in the same run and against the same emulator: the bare API work a
+reconcile needs, done by a plain client without kopf (GET the pool, GET seven
+children, create seven, PATCH the status), timed the same way, so the ratio
+shows what the operator adds. Target: p99 under 1 s for one pool and under
+10 s for the last of 100.
+
+    .venv/bin/python benchmarks/reconcile.py      # ~1 minute
+
+Writes benchmarks/results/reconcile.json. kmock is a test double standing in for
+a kube-apiserver (none can run here): its latencies are not a real server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kmock
+import yaml
+from _harness import percentile, say, write_result
+
+from coserve.operator.reconcile import reconcile as decide
+
+NS = "bench"
+POOLS = "coserve.dev/v1alpha1/coservepools"
+POOLS_URL = f"/apis/coserve.dev/v1alpha1/namespaces/{NS}/coservepools"
+ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+COMPONENTS = [
+    ("v1/configmaps", "config"),
+    ("apps/v1/deployments", "prefiller"),
+    ("apps/v1/deployments", "decoder"),
+    ("apps/v1/deployments", "router"),
+    ("v1/services", "router"),
+    ("v1/services", "prefiller"),
+    ("v1/services", "decoder"),
+]
+POOL: dict[str, Any] = {
+    "apiVersion": "coserve.dev/v1alpha1",
+    "kind": "CoServePool",
+    "metadata": {"namespace": NS, "generation": 1, "resourceVersion": "1"},
+    "spec": {
+        "model": {"name": "Qwen/Qwen3-8B"},
+        "workload": {"arrivalRatePerS": 2.0, "inputTokens": 2000, "outputTokens": 500, "lifetimeS": 60.0},
+        "profile": {
+            "prefillLatency": {"constantS": 0.01, "perTokenS": 0.0001},
+            "decodeThroughputTokensPerS": 2000.0,
+            "kvCapacityTokens": 400000,
+        },
+    },
+}
+
+
+def pool_body(name: str) -> dict[str, Any]:
+    body = copy.deepcopy(POOL)
+    body["metadata"].update({"name": name, "uid": f"uid-{name}"})
+    return body
+
+
+def declare(emulator: kmock.KubernetesEmulator) -> None:
+    def add(key: str, kind: str, namespaced: bool = True, subresources: frozenset[str] = frozenset()) -> None:
+        emulator.resources[key] = kmock.ResourceInfo(
+            kind=kind, singular=kind.lower(), namespaced=namespaced, verbs=ALL_VERBS, subresources=set(subresources)
+        )
+
+    add(POOLS, "CoServePool", subresources=frozenset({"status"}))
+    add("apps/v1/deployments", "Deployment", subresources=frozenset({"status", "scale"}))
+    add("v1/services", "Service")
+    add("v1/configmaps", "ConfigMap")
+    add("v1/events", "Event")
+    add("v1/namespaces", "Namespace", namespaced=False)
+    add("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
+    emulator.objects["v1/namespaces", None, NS] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
+
+
+def done(emulator: kmock.KubernetesEmulator, name: str) -> bool:
+    try:
+        for resource, component in COMPONENTS:
+            if emulator.objects[resource, NS, f"{name}-{component}"].deleted:
+                return False
+        return bool(emulator.objects[POOLS, NS, name]["status"].get("plan"))
+    except (KeyError, ValueError, TypeError):
+        return False
+
+
+async def create_and_time(
+    client: httpx.AsyncClient, emulator: kmock.KubernetesEmulator, names: list[str]
+) -> list[float]:
+    """Create every pool at once; seconds from each create request to its children and status."""
+    started: dict[str, float] = {}
+    finished: dict[str, float] = {}
+
+    async def create(name: str) -> None:
+        started[name] = time.perf_counter()
+        response = await client.post(POOLS_URL, json=pool_body(name))
+        response.raise_for_status()
+
+    await asyncio.gather(*(create(n) for n in names))
+    deadline = time.perf_counter() + 60
+    while len(finished) < len(names):
+        now = time.perf_counter()
+        for name in names:
+            if name not in finished and done(emulator, name):
+                finished[name] = now
+        if now > deadline:
+            raise RuntimeError(f"only {len(finished)} of {len(names)} pools reconciled in 60 s")
+        await asyncio.sleep(0.005)
+    return [finished[n] - started[n] for n in names]
+
+
+async def baseline(client: httpx.AsyncClient, emulator: kmock.KubernetesEmulator, names: list[str]) -> list[float]:
+    """The same API calls without kopf: a floor for what any operator needs against this emulator."""
+
+    async def one(name: str) -> float:
+        started = time.perf_counter()
+        response = await client.post(POOLS_URL, json=pool_body(name))
+        response.raise_for_status()
+        body = (await client.get(f"{POOLS_URL}/{name}")).json()
+        for resource, component in COMPONENTS:
+            prefix = "/api/v1" if resource.startswith("v1/") else "/apis/apps/v1"
+            await client.get(f"{prefix}/namespaces/{NS}/{resource.split('/')[-1]}/{name}-{component}")
+        result = decide(body, {}, datetime.now(UTC))
+        for action in result.actions:
+            resource = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments"}[action.kind]
+            prefix = "/apis/apps/v1" if action.kind == "Deployment" else "/api/v1"
+            (await client.post(f"{prefix}/namespaces/{NS}/{resource}", json=action.body)).raise_for_status()
+        patch = await client.patch(
+            f"{POOLS_URL}/{name}/status",
+            json={"status": result.status},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        patch.raise_for_status()
+        if not done(emulator, name):
+            raise RuntimeError("the baseline did not finish the pool")
+        return time.perf_counter() - started
+
+    return list(await asyncio.gather(*(one(n) for n in names)))
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def run(single: int, burst: int) -> dict[str, Any]:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator):
+        declare(emulator)
+        server = str(emulator.url).rstrip("/")
+        workdir = Path(tempfile.mkdtemp(prefix="coserve-reconcile-"))
+        kubeconfig = workdir / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+                    "users": [{"name": "bench", "user": {"token": "bench"}}],
+                    "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "bench", "namespace": NS}}],
+                    "current-context": "kmock",
+                }
+            )
+        )
+        coserve = Path(sys.executable).with_name("coserve")
+        log = (workdir / "operator.log").open("w")
+        process = subprocess.Popen(  # noqa: S603 - our own CLI
+            [str(coserve), "operator", "--standalone", "-n", NS, "--log-level", "WARNING"],
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            async with httpx.AsyncClient(base_url=server, timeout=30) as client:
+                say("waiting for the operator's watches")
+                deadline = time.perf_counter() + 60
+                while {r.resource.plural for r in emulator if r.resource and r.params.get("watch") == "true"} < {
+                    "coservepools",
+                    "deployments",
+                    "services",
+                    "configmaps",
+                }:
+                    if process.poll() is not None or time.perf_counter() > deadline:
+                        raise RuntimeError(f"the operator did not start:\n{(workdir / 'operator.log').read_text()}")
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+                say(f"{single} pools one at a time")
+                one_at_a_time = []
+                for index in range(single):
+                    one_at_a_time += await create_and_time(client, emulator, [f"single-{index}"])
+                say(f"{burst} pools at once")
+                at_once = await create_and_time(client, emulator, [f"burst-{i}" for i in range(burst)])
+                rss = rss_bytes(process.pid)
+                process.terminate()  # the baseline's pools must not be reconciled by the operator too
+                process.wait(timeout=30)
+                say("baseline: the same API calls without kopf")
+                base_single = [(await baseline(client, emulator, [f"base-{i}"]))[0] for i in range(single)]
+                base_burst = await baseline(client, emulator, [f"base-burst-{i}" for i in range(burst)])
+        except Exception:
+            print((workdir / "operator.log").read_text()[-3000:], file=sys.stderr)
+            raise
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            log.close()
+    return {
+        "single": one_at_a_time,
+        "burst": at_once,
+        "rss_bytes": rss,
+        "baseline_single": base_single,
+        "baseline_burst": base_burst,
+    }
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {
+        "p50_s": percentile(values, 50),
+        "p99_s": percentile(values, 99),
+        "max_s": max(values),
+        "mean_s": statistics.mean(values),
+        "n": len(values),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--single", type=int, default=50, help="pools created one at a time (default 50)")
+    parser.add_argument("--burst", type=int, default=100, help="pools created at once (default 100)")
+    args = parser.parse_args()
+    measured = asyncio.run(run(args.single, args.burst))
+    single, burst = stats(measured["single"]), stats(measured["burst"])
+    base_single, base_burst = stats(measured["baseline_single"]), stats(measured["baseline_burst"])
+    met = single["p99_s"] < 1.0 and burst["max_s"] < 10.0
+    print(f"\n{'':28}{'operator':>12}{'bare API calls':>16}{'ratio':>8}")
+    for label, a, b in (
+        ("1 pool p50 (s)", single["p50_s"], base_single["p50_s"]),
+        ("1 pool p99 (s)", single["p99_s"], base_single["p99_s"]),
+        (f"{args.burst} at once p50 (s)", burst["p50_s"], base_burst["p50_s"]),
+        (f"{args.burst} at once p99 (s)", burst["p99_s"], base_burst["p99_s"]),
+        (f"{args.burst} at once last (s)", burst["max_s"], base_burst["max_s"]),
+    ):
+        print(f"{label:28}{a:12.3f}{b:16.3f}{a / b if b else float('inf'):8.1f}x")
+    print(
+        f"operator RSS after the burst: {measured['rss_bytes'] / 2**20:.0f} MiB; target {'met' if met else 'NOT met'}"
+    )
+    out = write_result(
+        "reconcile",
+        {
+            "benchmark": "reconcile",
+            "target": "p99 under 1 s for one pool and under 10 s for the last of 100 (creation to children + status)",
+            "met": bool(met),
+            "single": single,
+            "burst": burst,
+            "operator_rss_bytes": measured["rss_bytes"],
+            "baseline": {
+                "name": "the same API calls by a plain client, without kopf",
+                "single": base_single,
+                "burst": base_burst,
+            },
+            "setup": {
+                "api_server": "kmock 0.8 KubernetesEmulator over HTTP (a test double: no kube-apiserver runs here)",
+                "operator": "coserve operator --standalone, its own process",
+                "burst_pools": args.burst,
+            },
+        },
+    )
+    say(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
