@@ -124,9 +124,10 @@ async def running_operator(kmock: kmocklib.KubernetesEmulator) -> AsyncIterator[
     """
     declare_resources(kmock)
     server = str(kmock.url).rstrip("/")
-    registry = build_registry(lambda: ClusterAccess(server=server, verify=False), resync_s=1.0)
+    # scanning=False, as `coserve operator -n NS` runs: no namespace or CRD listing (kmock cannot answer the
+    # namespace list either).
+    registry = build_registry(lambda: ClusterAccess(server=server, verify=False), scanning=False, resync_s=1.0)
     settings = kopf.OperatorSettings()
-    settings.scanning.disabled = True  # the emulator has no CRDs to scan; the namespace is given
     settings.watching.reconnect_backoff = 0.1
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
