@@ -18,6 +18,7 @@ from coserve.operator.resources import (
     CONFIG_HASH_ANNOTATION,
     ROLE_LABEL,
     build_children,
+    child_keys,
     child_name,
     config_data,
     config_hash,
@@ -106,6 +107,7 @@ def test_children_have_the_documented_kinds_names_and_order() -> None:
     children = render(make_pool())
 
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == EXPECTED_ORDER
+    assert child_keys("chat") == EXPECTED_ORDER  # what the operator reads before each reconcile
     assert [c["apiVersion"] for c in children] == ["v1", "apps/v1", "apps/v1", "apps/v1", "v1", "v1", "v1"]
 
 

@@ -48,21 +48,11 @@ from coserve.api.resource import GROUP, KIND, PLURAL, VERSION
 from coserve.operator.kube import ClusterAccess, KubeClient, KubeError
 from coserve.operator.metrics import CHILD_CHANGES, POOLS, RECONCILE_SECONDS, RECONCILES
 from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
-from coserve.operator.resources import MANAGED_BY, MANAGED_BY_LABEL, child_name
+from coserve.operator.resources import MANAGED_BY, MANAGED_BY_LABEL, child_keys
 
 __all__ = ["DEFAULT_RESYNC_S", "PoolReconciler", "build_registry", "configure"]
 
 DEFAULT_RESYNC_S = 30.0
-CHILD_KINDS: tuple[tuple[str, str], ...] = (
-    ("ConfigMap", "config"),
-    ("Deployment", "prefiller"),
-    ("Deployment", "decoder"),
-    ("Deployment", "router"),
-    ("Service", "router"),
-    ("Service", "prefiller"),
-    ("Service", "decoder"),
-)
-
 logger = logging.getLogger("coserve.operator")
 
 
@@ -103,10 +93,9 @@ class PoolReconciler:
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             self._locks.pop((namespace, name), None)
             return None
-        observed: dict[ChildKey, Mapping[str, Any] | None] = {}
-        for kind, component in CHILD_KINDS:
-            child = child_name(name, component)
-            observed[(kind, child)] = await self.kube.get(kind, namespace, child)
+        keys = child_keys(name)
+        children = await asyncio.gather(*(self.kube.get(kind, namespace, child) for kind, child in keys))
+        observed: dict[ChildKey, Mapping[str, Any] | None] = dict(zip(keys, children, strict=True))
         profile, problem = await self._profile(namespace, body)
         result = reconcile(
             body,

@@ -35,6 +35,7 @@ from coserve.api.status import Plan
 
 __all__ = [
     "APP_NAME",
+    "CHILDREN",
     "COMPONENTS",
     "COMPONENT_LABEL",
     "CONFIG_HASH_ANNOTATION",
@@ -56,6 +57,7 @@ __all__ = [
     "EngineRole",
     "Manifest",
     "build_children",
+    "child_keys",
     "child_name",
     "config_data",
     "config_hash",
@@ -139,6 +141,23 @@ def build_children(pool: CoServePool, plan: Plan, *, operator_image_tag: str | N
 
 
 # --- names, labels, ownership ------------------------------------------------------------------
+
+
+# (kind, component) of every child, in the order build_children returns them.
+CHILDREN: tuple[tuple[str, Component], ...] = (
+    ("ConfigMap", "config"),
+    ("Deployment", "prefiller"),
+    ("Deployment", "decoder"),
+    ("Deployment", "router"),
+    ("Service", "router"),
+    ("Service", "prefiller"),
+    ("Service", "decoder"),
+)
+
+
+def child_keys(pool_name: str) -> list[tuple[str, str]]:
+    """(kind, name) of every child of ``pool_name``: what the operator reads before it reconciles."""
+    return [(kind, child_name(pool_name, component)) for kind, component in CHILDREN]
 
 
 def child_name(pool_name: str, component: str) -> str:
