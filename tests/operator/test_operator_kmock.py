@@ -24,6 +24,7 @@ kopf = pytest.importorskip("kopf")
 
 from coserve.operator.handlers import build_registry  # noqa: E402 - after the importorskip
 from coserve.operator.kube import ClusterAccess  # noqa: E402
+from pool_builders import sample_pool  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
 
@@ -41,21 +42,8 @@ CHILDREN = [
     ("v1/services", "chat-prefiller"),
     ("v1/services", "chat-decoder"),
 ]
-POOL: dict[str, Any] = {
-    "apiVersion": "coserve.dev/v1alpha1",
-    "kind": "CoServePool",
-    # the emulator assigns no uid, generation or resourceVersion: the test gives them
-    "metadata": {"name": "chat", "namespace": NS, "uid": "uid-chat", "generation": 1, "resourceVersion": "1"},
-    "spec": {
-        "model": {"name": "Qwen/Qwen3-8B"},
-        "workload": {"arrivalRatePerS": 2.0, "inputTokens": 2000, "outputTokens": 500, "lifetimeS": 60.0},
-        "profile": {
-            "prefillLatency": {"constantS": 0.01, "perTokenS": 0.0001},
-            "decodeThroughputTokensPerS": 2000.0,
-            "kvCapacityTokens": 400000,
-        },
-    },
-}
+# the emulator assigns no uid, generation or resourceVersion: the test gives them
+POOL: dict[str, Any] = sample_pool(namespace=NS, uid="uid-chat", generation=1, resourceVersion="1")
 
 
 def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:

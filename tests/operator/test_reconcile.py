@@ -10,25 +10,13 @@ import pytest
 
 from coserve.api.problems import Problem
 from coserve.operator.reconcile import ChildKey, drift, reconcile
+from pool_builders import sample_pool
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 LATER = datetime(2026, 12, 2, 12, 5, tzinfo=UTC)
 UID = "0b6a1c0e-7d4f-4b8e-9a57-3f1f6f0c2a11"
 
-POOL: dict[str, Any] = {
-    "apiVersion": "coserve.dev/v1alpha1",
-    "kind": "CoServePool",
-    "metadata": {"name": "chat", "namespace": "serving", "uid": UID, "generation": 1},
-    "spec": {
-        "model": {"name": "Qwen/Qwen3-8B"},
-        "workload": {"arrivalRatePerS": 2.0, "inputTokens": 2000, "outputTokens": 500, "lifetimeS": 60.0},
-        "profile": {
-            "prefillLatency": {"constantS": 0.01, "perTokenS": 0.0001},
-            "decodeThroughputTokensPerS": 2000.0,
-            "kvCapacityTokens": 400000,
-        },
-    },
-}
+POOL: dict[str, Any] = sample_pool(uid=UID, generation=1)
 
 
 def pool(**spec_updates: Any) -> dict[str, Any]:

@@ -25,23 +25,11 @@ from coserve.operator.resources import (
     router_image,
 )
 from coserve.provisioning import plan_for
+from pool_builders import sample_pool
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 
-BASE_POOL: dict[str, Any] = {
-    "apiVersion": "coserve.dev/v1alpha1",
-    "kind": "CoServePool",
-    "metadata": {"name": "chat", "namespace": "serving"},
-    "spec": {
-        "model": {"name": "Qwen/Qwen3-8B"},
-        "workload": {"arrivalRatePerS": 2.0, "inputTokens": 2000, "outputTokens": 500, "lifetimeS": 60.0},
-        "profile": {
-            "prefillLatency": {"constantS": 0.01, "perTokenS": 0.0001},
-            "decodeThroughputTokensPerS": 2000.0,
-            "kvCapacityTokens": 400000,
-        },
-    },
-}
+BASE_POOL: dict[str, Any] = sample_pool()
 
 EXPECTED_ORDER = [
     ("ConfigMap", "chat-config"),
