@@ -159,10 +159,8 @@ class PoolReconciler:
         try:
             await self.kube.merge_patch(KIND, namespace, name, {"status": status}, subresource="status")
         except KubeError as error:
-            if error.status != 404:
+            if error.status != 404:  # 404: the pool was deleted meanwhile; nothing to report on
                 raise
-            # NOTE: only where the CRD has no status subresource (kmock's emulator); the real CRD has one.
-            await self.kube.merge_patch(KIND, namespace, name, {"status": status})
 
     async def _profile(self, namespace: str, body: Mapping[str, Any]) -> tuple[EngineProfile | None, Problem | None]:
         """The measured profile ``spec.profile.configMapRef`` names, or why it cannot be used."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
@@ -82,7 +82,6 @@ class Reconciliation:
     status: dict[str, Any]
     events: tuple[PoolEvent, ...]
     plan_valid: bool
-    desired: tuple[Manifest, ...] = field(default=())
 
 
 def reconcile(
@@ -133,7 +132,7 @@ def reconcile(
     events += [PoolEvent("Warning", "ChildConflict", message) for message in conflicts]
     if previous.plan is None or (previous.plan.prefillers, previous.plan.decoders) != (plan.prefillers, plan.decoders):
         events.insert(0, PoolEvent("Normal", "Planned", _plan_message(plan)))
-    return Reconciliation(tuple(actions), status, tuple(events), True, tuple(desired))
+    return Reconciliation(tuple(actions), status, tuple(events), True)
 
 
 def drift(desired: Any, observed: Any, path: str = "") -> list[str]:
