@@ -20,10 +20,12 @@ shows what the operator adds. Target: p99 under 1 s for one pool and under
 
 Writes benchmarks/results/reconcile.json. kmock is a test double standing in for
 a kube-apiserver (none can run here): its latencies are not a real server's.
-NOTE: kmock 0.8 slows down linearly with the requests it has served (measured: a
-GET took 8 ms on a fresh emulator, 125 ms after 600 requests), so at this scale
-the numbers measure the emulator; the baseline column shows that floor. Run it
-against a real cluster's API server for figures that mean something.
+NOTE: kmock 0.8 slows down with every request it keeps in its log (a GET: 8 ms
+fresh, 125 ms after 600), so the emulator process empties that log every 20 ms.
+Even so it serves about 100 requests/s: the bare API calls for 100 pools take
+about 17 s, above the 10 s target, so the burst half of the target cannot be
+shown on it (``emulator_floor_burst_s`` in the JSON); run it against a real API
+server for that. The single-pool half is within reach and is judged.
 """
 
 from __future__ import annotations
@@ -104,7 +106,11 @@ async def serve_emulator(port: int) -> None:
     """The emulator in a process of its own, so the benchmark's client and poller do not slow it down."""
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator, port=port):
         declare(emulator)
-        await asyncio.Event().wait()
+        while True:
+            # NOTE: kmock keeps every request for assertions, and each new one costs time in proportion to
+            # that log (a GET: 8 ms fresh, 125 ms after 600). A benchmark asserts nothing on it: keep it empty.
+            emulator._requests.clear()
+            await asyncio.sleep(0.02)
 
 
 async def reconciled(client: httpx.AsyncClient) -> set[str]:
@@ -290,7 +296,8 @@ def main() -> int:
     measured = asyncio.run(run(args.single, args.burst))
     single, burst = stats(measured["single"]), stats(measured["burst"])
     base_single, base_burst = stats(measured["baseline_single"]), stats(measured["baseline_burst"])
-    met = single["p99_s"] < 1.0 and burst["max_s"] < 10.0
+    single_met, burst_met = single["p99_s"] < 1.0, burst["max_s"] < 10.0
+    met = single_met and burst_met
     print(f"\n{'':28}{'operator':>12}{'bare API calls':>16}{'ratio':>8}")
     for label, a, b in (
         ("1 pool p50 (s)", single["p50_s"], base_single["p50_s"]),
@@ -309,6 +316,11 @@ def main() -> int:
             "benchmark": "reconcile",
             "target": "p99 under 1 s for one pool and under 10 s for the last of 100 (creation to children + status)",
             "met": bool(met),
+            "single_met": bool(single_met),
+            "burst_met": bool(burst_met),
+            # the bare API calls' time for the burst: below it no operator can finish on this emulator
+            "emulator_floor_burst_s": base_burst["max_s"],
+            "burst_floor_exceeds_target": bool(base_burst["max_s"] >= 10.0),
             "single": single,
             "burst": burst,
             "operator_rss_bytes": measured["rss_bytes"],

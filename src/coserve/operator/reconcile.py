@@ -128,7 +128,11 @@ def reconcile(
             actions.append(ChildAction("patch", kind, name, wanted, "drifted: " + ", ".join(changed[:5])))
 
     status = _status(pool, plan, previous, generation, observed, actions, conflicts, now)
-    events = [PoolEvent("Normal", _verb_reason(a), _action_message(a)) for a in actions]
+    # One Event per verb, not per child: a new pool gets "Created" once, naming all seven.
+    events = [
+        PoolEvent("Normal", reason, "; ".join(_action_message(a) for a in actions if _verb_reason(a) == reason))
+        for reason in dict.fromkeys(_verb_reason(a) for a in actions)
+    ]
     events += [PoolEvent("Warning", "ChildConflict", message) for message in conflicts]
     if previous.plan is None or (previous.plan.prefillers, previous.plan.decoders) != (plan.prefillers, plan.decoders):
         events.insert(0, PoolEvent("Normal", "Planned", _plan_message(plan)))
