@@ -22,6 +22,7 @@ from coserve.operator.resources import (
     child_name,
     config_data,
     config_hash,
+    engine_args,
     router_image,
 )
 from coserve.provisioning import plan_for
@@ -592,3 +593,24 @@ def test_every_example_pool_renders_valid_children(path: Path) -> None:
     ]
     assert [p for child in children for p, value in walk(child) if value is None] == []
     json.dumps(children, allow_nan=False)  # JSON-ready: nothing an API server would refuse to decode
+
+
+@pytest.mark.parametrize(
+    ("engine", "prefiller_worker", "decoder_worker"),
+    [
+        ({}, "SafepointGPUWorker", "SafepointGPUWorker"),  # the default asks for one GPU
+        ({"resources": {"limits": {"cpu": "8"}}}, "SafepointCPUWorker", "SafepointCPUWorker"),
+        (  # CPU prefillers, GPU decoders: each role gets the worker of its own resources
+            {"resources": {"limits": {"nvidia.com/gpu": 1}}, "prefiller": {"resources": {"requests": {"cpu": "4"}}}},
+            "SafepointCPUWorker",
+            "SafepointGPUWorker",
+        ),
+    ],
+)
+def test_the_worker_class_follows_the_gpu_request(
+    engine: dict[str, Any], prefiller_worker: str, decoder_worker: str
+) -> None:
+    spec = parse_pool(make_pool(engine=engine)).spec
+    for role, expected in (("prefiller", prefiller_worker), ("decoder", decoder_worker)):
+        args = engine_args(spec, role)  # type: ignore[arg-type]
+        assert args[args.index("--worker-cls") + 1] == f"coserve.engine.worker.{expected}"

@@ -70,6 +70,7 @@ __all__ = [
     "router_config",
     "router_image",
     "selector_for",
+    "uses_gpus",
 ]
 
 Manifest = dict[str, Any]  # one Kubernetes object, JSON-ready
@@ -103,8 +104,10 @@ ROUTER_CONFIG_PATH = f"{CONFIG_MOUNT_PATH}/{ROUTER_CONFIG_KEY}"
 ENGINE_CONTAINER = "vllm"
 ENGINE_COMMAND = ("python3", "-m", "vllm.entrypoints.openai.api_server")
 SCHEDULER_CLS = "coserve.engine.scheduler.TDGScheduler"
-# The serving image is the CUDA one; a CPU pool would use coserve.engine.worker.SafepointCPUWorker.
+# Engines that request GPUs run the CUDA worker; the others (images/vllm-cpu, e.g. on kind) the CPU one.
 WORKER_CLS = "coserve.engine.worker.SafepointGPUWorker"
+CPU_WORKER_CLS = "coserve.engine.worker.SafepointCPUWorker"
+GPU_RESOURCE = "nvidia.com/gpu"
 REQUEST_VALIDATOR = "coserve.engine.validation.RequestClassValidator"
 KV_CONNECTOR = "CoServeConnector"
 KV_CONNECTOR_MODULE = "coserve.engine.connector"
@@ -317,7 +320,7 @@ def engine_args(spec: SpecModel, role: EngineRole) -> list[str]:
         "--scheduler-cls",
         SCHEDULER_CLS,
         "--worker-cls",
-        WORKER_CLS,
+        WORKER_CLS if uses_gpus(spec, role) else CPU_WORKER_CLS,
         "--middleware",
         REQUEST_VALIDATOR,
         "--kv-transfer-config",
@@ -325,6 +328,12 @@ def engine_args(spec: SpecModel, role: EngineRole) -> list[str]:
         *engine.extra_args,
         *(_role_overrides(engine, role).extra_args or []),
     ]
+
+
+def uses_gpus(spec: SpecModel, role: EngineRole) -> bool:
+    """True when ``role``'s engine container asks for GPUs (limits or requests); it picks the worker class."""
+    resources = _role_overrides(spec.engine, role).resources or spec.engine.resources
+    return any(GPU_RESOURCE in (amounts or {}) for amounts in (resources.limits, resources.requests))
 
 
 def _http_probe(path: str, *, period_s: int, failure_threshold: int, timeout_s: int = 1) -> Manifest:
