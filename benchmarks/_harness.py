@@ -13,7 +13,6 @@ import asyncio
 import csv
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -267,10 +266,6 @@ def dump_outcome(outcome: Outcome) -> dict[str, Any]:
 
 def failures(outcomes: Sequence[Outcome]) -> list[str]:
     return [f"{o.request.cls}: {o.error}" for o in outcomes if o.error is not None]
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def write_result(name: str, document: dict[str, Any]) -> Path:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _harness import percentile
 
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.engine.safepoint import SafepointBoard, board_name
@@ -52,12 +53,6 @@ CLASSES = [
     {"name": "standard", "weight": 3, "ttftSloMs": 10000, "tpotSloMs": 500},
     {"name": "offline", "weight": 1, "ttftSloMs": 3600000, "tpotSloMs": 10000},
 ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def offline_load(base: str, stop: threading.Event, seed: int) -> None:
