@@ -22,8 +22,8 @@ import pytest
 
 kopf = pytest.importorskip("kopf")
 
-from coserve.operator.handlers import build_registry  # noqa: E402 - after the importorskip
-from coserve.operator.kube import ClusterAccess  # noqa: E402
+from coserve.operator.handlers import PoolReconciler, build_registry  # noqa: E402 - after the importorskip
+from coserve.operator.kube import ClusterAccess, KubeClient  # noqa: E402
 from pool_builders import sample_pool  # noqa: E402
 
 pytestmark = pytest.mark.asyncio
@@ -114,7 +114,9 @@ async def running_operator(kmock: kmocklib.KubernetesEmulator) -> AsyncIterator[
     server = str(kmock.url).rstrip("/")
     # scanning=False, as `coserve operator -n NS` runs: no namespace or CRD listing (kmock cannot answer the
     # namespace list either).
-    registry = build_registry(lambda: ClusterAccess(server=server, verify=False), scanning=False, resync_s=1.0)
+    registry = build_registry(
+        lambda: ClusterAccess(server=server, verify=False), scanning=False, namespaces=[NS], resync_s=1.0
+    )
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0.1
     stop, ready = asyncio.Event(), asyncio.Event()
@@ -168,6 +170,15 @@ async def test_a_new_pool_gets_its_children_and_an_honest_status(kmock: kmocklib
         assert status["decoders"] == f"{decoders}/0"
         # no finalizer: deleting a pool never waits for the operator
         assert not kmock.objects[POOLS, NS, "chat"]["metadata"].get("finalizers")
+        # children are read from the watch-fed cache, never one by one from the API server
+        assert not [
+            request
+            for request in kmock
+            if str(request.method).upper().endswith("GET")
+            and request.name is not None
+            and request.resource is not None
+            and request.resource.plural in ("deployments", "services", "configmaps")
+        ]
 
 
 async def test_a_spec_change_patches_the_children_in_place(kmock: kmocklib.KubernetesEmulator) -> None:
@@ -244,3 +255,35 @@ async def test_deleting_a_pool_lets_go_cleanly(kmock: kmocklib.KubernetesEmulato
         await operator.delete(f"/api/v1/namespaces/{NS}/services/chat-router")
         await asyncio.sleep(1.5)
         assert not exists(kmock, "v1/services", "chat-router")
+
+
+async def test_concurrent_triggers_share_a_reconcile_that_started_after_them(
+    kmock: kmocklib.KubernetesEmulator,
+) -> None:
+    """Ten triggers at once (a burst of child events): two reconciles, and each caller gets a later one's outcome."""
+    declare_resources(kmock)
+    server = str(kmock.url).rstrip("/")
+    async with KubeClient(ClusterAccess(server=server, verify=False)) as kube:
+        await kube.create("CoServePool", NS, copy.deepcopy(POOL))
+        reconciler = PoolReconciler(kube)
+        runs = 0
+        decide = reconciler._reconcile
+
+        async def counted(namespace: str, name: str) -> Any:
+            nonlocal runs
+            runs += 1
+            if runs == 2:
+                raise RuntimeError("the second reconcile fails")
+            return await decide(namespace, name)
+
+        reconciler._reconcile = counted  # type: ignore[method-assign]
+        outcomes = await asyncio.gather(*(reconciler.reconcile(NS, "chat") for _ in range(10)), return_exceptions=True)
+        assert runs == 2
+        first, *rest = outcomes
+        assert not isinstance(first, BaseException) and first is not None and first.plan_valid
+        # the nine that asked while the first ran share the second, failed reconcile: none is told "done"
+        assert all(isinstance(outcome, RuntimeError) for outcome in rest)
+        assert all(exists(kmock, r, n) for r, n in CHILDREN)
+        posts = [r for r in kmock if str(r.method).upper().endswith("POST") and r.resource is not None]
+        assert len([r for r in posts if r.resource.plural == "deployments"]) == 3  # created once each
+        assert await reconciler.reconcile(NS, "chat") is not None and runs == 3  # a later trigger runs anew

@@ -171,7 +171,10 @@ def _cmd_operator(args: argparse.Namespace) -> int:
 
     # Namespaced mode: kopf must not list namespaces or CRDs (the chart's Roles do not allow it).
     registry = build_registry(
-        peering=None if args.standalone else args.peering, scanning=not args.namespace, resync_s=args.resync_s
+        peering=None if args.standalone else args.peering,
+        scanning=not args.namespace,
+        namespaces=args.namespace,
+        resync_s=args.resync_s,
     )
     kopf.configure(debug=args.log_level == "DEBUG", verbose=False)  # kopf's log format and handler
     logging.getLogger().setLevel(args.log_level)

@@ -4,20 +4,28 @@ Who calls it: ``coserve operator`` (``kopf.run`` with ``build_registry()``), and
 ``kopf run operator/main.py``, which registers the same handlers in kopf's
 default registry. Tests build a registry against kmock's Kubernetes emulator.
 
-When a reconcile runs (always the whole pool, under a per-pool lock):
+When a reconcile runs (always the whole pool; triggers that arrive while one
+runs are coalesced into the next):
 
 - the pool is created, its spec changes, or the operator starts (resume);
-- every ``resync_s`` seconds for every known pool, which picks up readiness changes;
+- every ``resync_s`` seconds for every known pool, after listing all pools and
+  managed children afresh (what a lost watch event hid shows up), which also
+  picks up readiness changes;
 - a Deployment, Service or ConfigMap labelled ``app.kubernetes.io/managed-by:
   coserve-operator`` changes or disappears: its controlling pool is reconciled,
-  so a child deleted or edited by hand is put back within a watch event.
+  so a child deleted or edited by hand is put back within a watch event. A
+  watch event that only echoes the operator's own write triggers nothing.
 
-A reconcile reads the pool and its seven children, reads the measured profile
-if ``spec.profile.configMapRef`` names one, asks ``reconcile()`` what to do,
-creates or merge-patches children, writes the status (only if it changed) and
-posts the decision's Events. Nothing is deleted: owner references let the
-garbage collector remove the children with the pool, so no finalizer is added
-and deleting a pool never waits for the operator.
+A reconcile reads the pool and its seven children from the watch-fed
+``ObjectCache`` (no request), reads the measured profile if
+``spec.profile.configMapRef`` names one, asks ``reconcile()`` what to do,
+re-reads the pool from the API server if that means creating something, creates
+or merge-patches children, writes the status (only if it changed) and posts the
+decision's Events. A pool in its desired state costs no request at all; a new
+one costs its seven creates, a status patch, its Events and one GET. Nothing is
+deleted: owner references let the garbage collector remove the children with
+the pool, so no finalizer is added and deleting a pool never waits for the
+operator.
 
 Two operator replicas never both act: kopf peering (``--peering NAME``, the
 chart's default) pauses every replica but the one with the highest priority;
@@ -27,11 +35,13 @@ chart's default) pauses every replica but the one with the highest priority;
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -45,10 +55,11 @@ from coserve.api.parse import parse_profile
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import GROUP, KIND, PLURAL, VERSION
+from coserve.operator.cache import ObjectCache
 from coserve.operator.kube import ClusterAccess, KubeClient, KubeError
 from coserve.operator.metrics import CHILD_CHANGES, POOLS, RECONCILE_SECONDS, RECONCILES
 from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
-from coserve.operator.resources import MANAGED_BY, MANAGED_BY_LABEL, child_keys
+from coserve.operator.resources import CHILDREN, MANAGED_BY, MANAGED_BY_LABEL, child_keys
 
 __all__ = ["DEFAULT_RESYNC_S", "PoolReconciler", "build_registry", "configure"]
 
@@ -56,71 +67,141 @@ DEFAULT_RESYNC_S = 30.0
 logger = logging.getLogger("coserve.operator")
 
 
+@dataclass
+class _Flight:
+    """Single-flight bookkeeping for one pool: concurrent triggers share a reconcile that starts after them."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    requested: int = 0  # triggers so far
+    covered: int = 0  # triggers the last finished reconcile covers (it started after all of them)
+    result: Reconciliation | None = None
+    error: BaseException | None = None
+
+
 class PoolReconciler:
-    """Reads a pool's world, calls the pure ``reconcile`` and applies its decision; one per operator."""
+    """Reads a pool's world from the cache, calls the pure ``reconcile`` and applies its decision.
+
+    One per operator. Triggers for a pool that arrive while it is being
+    reconciled are coalesced: the next reconcile covers all of them, and each
+    caller gets the outcome (or the error) of a reconcile that started after it
+    asked, so kopf still retries a failed create and nothing is decided on a
+    view older than the trigger.
+    """
 
     def __init__(
         self,
         kube: KubeClient,
         *,
+        cache: ObjectCache | None = None,
         image_tag: str | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.kube = kube
+        self.cache = cache if cache is not None else ObjectCache()
         self.image_tag = image_tag
         self.clock = clock
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._flights: dict[tuple[str, str], _Flight] = {}
 
     async def reconcile(self, namespace: str, name: str) -> Reconciliation | None:
         """Reconcile one pool; ``None`` when it is gone or being deleted."""
-        lock = self._locks.setdefault((namespace, name), asyncio.Lock())
-        async with lock:
+        flight = self._flights.setdefault((namespace, name), _Flight())
+        flight.requested += 1
+        ticket = flight.requested
+        async with flight.lock:
+            if flight.covered >= ticket:  # a reconcile that started after this trigger has just finished
+                if flight.error is not None:
+                    raise flight.error
+                return flight.result
+            flight.covered = flight.requested
             started = time.perf_counter()
             try:
                 result = await self._reconcile(namespace, name)
-            except Exception:
+            except Exception as error:
                 RECONCILES.labels("error").inc()
+                flight.result, flight.error = None, error
                 raise
             finally:
                 RECONCILE_SECONDS.observe(time.perf_counter() - started)
-            if result is not None:
+            flight.result, flight.error = result, None
+            if result is None:
+                self._flights.pop((namespace, name), None)
+            else:
                 RECONCILES.labels("ok" if result.plan_valid else "invalid").inc()
             return result
 
-    async def _reconcile(self, namespace: str, name: str) -> Reconciliation | None:
-        """Read, decide, write (the lock is held)."""
+    async def _reconcile(self, namespace: str, name: str, attempts: int = 3) -> Reconciliation | None:
+        """Read (cache), decide, write; again from the top when a create shows the cache was behind.
+
+        Before creating anything the pool is read from the API server: a child's
+        deletion can be seen before its pool's, and a child created for a pool
+        that is gone would be an orphan. Patches need no such check.
+        """
+        fresh = False
+        for _ in range(attempts):
+            body = self.cache.get(KIND, namespace, name)
+            if body is None and not fresh:
+                body, fresh = await self._read_pool(namespace, name), True
+            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                return None
+            keys = child_keys(name)
+            observed: dict[ChildKey, Mapping[str, Any] | None] = {
+                (kind, child): self.cache.get(kind, namespace, child) for kind, child in keys
+            }
+            profile, problem = await self._profile(namespace, body)
+            result = reconcile(
+                body,
+                observed,
+                self.clock(),
+                measured_profile=profile,
+                profile_problem=problem,
+                operator_image_tag=self.image_tag,
+            )
+            if not fresh and any(action.verb == "create" for action in result.actions):
+                fresh = True
+                if await self._read_pool(namespace, name) != body:
+                    continue  # the pool changed (or is gone): decide on what the API server holds
+            if not await self._apply(namespace, name, result):
+                continue
+            if body.get("status") != result.status:
+                await self._write_status(namespace, name, result.status)
+            for event in result.events:
+                await self._post_event(namespace, body, event)
+            return result
+        raise KubeError(409, "Conflict", f"{namespace}/{name}: the children kept changing during {attempts} reconciles")
+
+    async def _read_pool(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """The pool as the API server has it now (the cache learns it too); ``None`` when it is gone."""
         body = await self.kube.get(KIND, namespace, name)
-        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-            self._locks.pop((namespace, name), None)
-            return None
-        keys = child_keys(name)
-        children = await asyncio.gather(*(self.kube.get(kind, namespace, child) for kind, child in keys))
-        observed: dict[ChildKey, Mapping[str, Any] | None] = dict(zip(keys, children, strict=True))
-        profile, problem = await self._profile(namespace, body)
-        result = reconcile(
-            body,
-            observed,
-            self.clock(),
-            measured_profile=profile,
-            profile_problem=problem,
-            operator_image_tag=self.image_tag,
-        )
+        if body is None:
+            self.cache.forget(KIND, namespace, name)
+        else:
+            self.cache.put(KIND, body)
+        return body
+
+    async def _apply(self, namespace: str, name: str, result: Reconciliation) -> bool:
+        """Create or patch the children; ``False`` when the cache was behind (it is refreshed: decide again)."""
+        current = True
         for action in result.actions:
-            if action.verb == "create":
-                try:
-                    await self.kube.create(action.kind, namespace, action.body)
-                except KubeError as error:
-                    if error.status != 409:  # created meanwhile: the watch event reconciles again
-                        raise
-            else:
-                await self.kube.merge_patch(action.kind, namespace, action.name, action.body)
+            try:
+                if action.verb == "create":
+                    written = await self.kube.create(action.kind, namespace, action.body)
+                else:
+                    written = await self.kube.merge_patch(action.kind, namespace, action.name, action.body)
+            except KubeError as error:
+                if error.status not in (404, 409):
+                    raise
+                # 409 on create: it exists after all; 404 on patch: it is gone. Learn which, decide again.
+                found = await self.kube.get(action.kind, namespace, action.name)
+                if found is None:
+                    self.cache.forget(action.kind, namespace, action.name)
+                else:
+                    self.cache.put(action.kind, found)
+                current = False
+                continue
+            self.cache.put(action.kind, written)
             CHILD_CHANGES.labels(action.verb, action.kind).inc()
             logger.info("%s/%s: %s %s %s (%s)", namespace, name, action.verb, action.kind, action.name, action.reason)
-        if body.get("status") != result.status:
-            await self._write_status(namespace, name, result.status)
-        for event in result.events:
-            await self._post_event(namespace, body, event)
-        return result
+        return current
 
     async def _post_event(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
         """A core/v1 Event on the pool (``kubectl describe csp`` shows it); failures are logged, not raised."""
@@ -157,7 +238,8 @@ class PoolReconciler:
     async def _write_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         # A merge patch replaces lists (conditions) whole; the status subresource keeps spec untouched.
         try:
-            await self.kube.merge_patch(KIND, namespace, name, {"status": status}, subresource="status")
+            written = await self.kube.merge_patch(KIND, namespace, name, {"status": status}, subresource="status")
+            self.cache.put(KIND, written)
         except KubeError as error:
             if error.status != 404:  # 404: the pool was deleted meanwhile; nothing to report on
                 raise
@@ -208,22 +290,51 @@ def build_registry(
     registry: kopf.OperatorRegistry | None = None,
     peering: str | None = None,
     scanning: bool = True,
+    namespaces: Sequence[str] | None = None,
     resync_s: float = DEFAULT_RESYNC_S,
     image_tag: str | None = None,
 ) -> kopf.OperatorRegistry:
-    """Register coserve's handlers; ``access`` says how to reach the API server (called at start-up)."""
+    """Register coserve's handlers; ``access`` says how to reach the API server (called at start-up).
+
+    ``namespaces`` are the ones kopf watches (``None``: every namespace); the
+    resync lists pools and children there.
+    """
     registry = registry or kopf.OperatorRegistry()
     state: dict[str, Any] = {}
     tag = image_tag if image_tag is not None else os.environ.get("COSERVE_IMAGE_TAG", __version__)
+    cache = ObjectCache()
+    scope = set(namespaces) if namespaces else None
+    child_kinds = tuple(dict.fromkeys(kind for kind, _ in CHILDREN))
 
-    known: set[tuple[str, str]] = set()  # (namespace, name) of every pool seen and not deleted
+    def managed(body: Mapping[str, Any]) -> bool:
+        return ((body.get("metadata") or {}).get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY
+
+    async def refresh(kube: KubeClient) -> None:
+        """List every pool and managed child: what a lost watch event hid (a deletion above all) shows up."""
+        for kind in (KIND, *child_kinds):
+            since = cache.mark()
+            selector = None if kind == KIND else f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+            listed: list[dict[str, Any]] = []
+            for namespace in sorted(scope) if scope else [None]:
+                listed += await kube.list(kind, namespace, selector)
+            ghosts = cache.replace(kind, [b for b in listed if kind == KIND or managed(b)], since, scope)
+            if ghosts:
+                logger.info("resync: %d %s(s) gone without a watch event", ghosts, kind)
+        POOLS.set(len(cache.names(KIND)))
 
     async def resync_forever() -> None:
         # NOTE: a plain task rather than a kopf timer: kopf puts a finalizer on every object with a timer,
         # and a finalizer would make deleting a pool wait for the operator.
         while True:
             await asyncio.sleep(resync_s)
-            for namespace, name in sorted(known):
+            reconciler: PoolReconciler | None = state.get("reconciler")
+            if reconciler is None:
+                continue
+            try:
+                await refresh(reconciler.kube)
+            except (KubeError, httpx.HTTPError) as error:
+                logger.warning("resync: could not list pools and children (using the watch's view): %s", error)
+            for namespace, name in cache.names(KIND):
                 try:
                     await run(namespace, name)
                 except kopf.TemporaryError as error:
@@ -236,7 +347,7 @@ def build_registry(
         configure(settings, peering=peering, scanning=scanning)
         cluster = access()
         state["access"] = cluster
-        state["reconciler"] = PoolReconciler(KubeClient(cluster), image_tag=tag)
+        state["reconciler"] = PoolReconciler(KubeClient(cluster), cache=cache, image_tag=tag)
         state["resync"] = asyncio.create_task(resync_forever())
 
     @kopf.on.cleanup(registry=registry)
@@ -273,26 +384,33 @@ def build_registry(
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
-    async def pool_changed(namespace: str | None, name: str | None, **_: Any) -> None:
+    async def pool_changed(body: Mapping[str, Any], namespace: str | None, name: str | None, **_: Any) -> None:
+        cache.put(KIND, copy.deepcopy(dict(body)))  # the event may reach the handler before pool-seen does
         await run(namespace, name)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, id="pool-seen", registry=registry)
-    async def pool_seen(type: str | None, namespace: str | None, name: str | None, **_: Any) -> None:
-        if namespace is None or name is None:
-            return
-        if type == "DELETED":
-            known.discard((namespace, name))
-        else:
-            known.add((namespace, name))
-        POOLS.set(len(known))
+    async def pool_seen(type: str | None, body: Mapping[str, Any], **_: Any) -> None:
+        cache.observe(KIND, type, copy.deepcopy(dict(body)))
+        POOLS.set(len(cache.names(KIND)))
 
     labels = {MANAGED_BY_LABEL: MANAGED_BY}
-    for group, plural in (("apps", "deployments"), ("", "services"), ("", "configmaps")):
+    watched = {"Deployment": ("apps", "deployments"), "Service": ("", "services"), "ConfigMap": ("", "configmaps")}
+    for kind in child_kinds:
+        group, plural = watched[kind]
 
-        @kopf.on.event(group=group, version="v1", plural=plural, labels=labels, id=f"child-{plural}", registry=registry)
-        async def child_changed(body: Mapping[str, Any], namespace: str | None, **_: Any) -> None:
-            for owner in (body.get("metadata") or {}).get("ownerReferences") or []:
-                if owner.get("kind") == KIND and owner.get("apiVersion", "").startswith(GROUP + "/"):
-                    await run(namespace, owner.get("name"))
+        def handler(kind: str) -> Callable[..., Any]:
+            async def child_changed(type: str | None, body: Mapping[str, Any], namespace: str | None, **_: Any) -> None:
+                # An echo of the operator's own write changes nothing in the cache, and triggers nothing.
+                if not cache.observe(kind, type, copy.deepcopy(dict(body))):
+                    return
+                for owner in (body.get("metadata") or {}).get("ownerReferences") or []:
+                    if owner.get("kind") == KIND and owner.get("apiVersion", "").startswith(GROUP + "/"):
+                        await run(namespace, owner.get("name"))
+
+            return child_changed
+
+        kopf.on.event(group=group, version="v1", plural=plural, labels=labels, id=f"child-{plural}", registry=registry)(
+            handler(kind)
+        )
 
     return registry

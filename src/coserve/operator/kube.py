@@ -1,4 +1,4 @@
-"""A thin async Kubernetes API client for the operator's handlers: get, create, merge-patch, events.
+"""A thin async Kubernetes API client for the operator's handlers: get, list, create, merge-patch.
 
 Who calls it: ``coserve.operator.handlers``, once per reconcile. It speaks plain
 HTTP (httpx) to the API server with the credentials in ``ClusterAccess``:
@@ -109,11 +109,16 @@ class KubeClient:
         await self._http.aclose()
 
     @staticmethod
-    def path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    def path(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
+        """The object's (or, without ``name``, the collection's) URL path; ``namespace=None``: every namespace."""
         try:
             prefix, plural = PATHS[kind]
         except KeyError:
             raise ValueError(f"unknown kind {kind!r}; known: {', '.join(PATHS)}") from None
+        if namespace is None:
+            if name is not None:
+                raise ValueError(f"a {kind} named {name!r} needs a namespace")
+            return f"{prefix}/{plural}"
         path = f"{prefix}/namespaces/{namespace}/{plural}"
         if name is not None:
             path += f"/{name}"
@@ -127,6 +132,15 @@ class KubeClient:
         if response.status_code == 404:
             return None
         return self._json(response)
+
+    async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
+        """Every object of ``kind`` in ``namespace`` (``None``: all namespaces) matching ``label_selector``.
+
+        Callers that depend on the selector check labels again: not every API server (kmock) applies it.
+        """
+        params = {"labelSelector": label_selector} if label_selector else None
+        items = self._json(await self._http.get(self.path(kind, namespace), params=params)).get("items") or []
+        return [item for item in items if isinstance(item, dict)]
 
     async def create(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._json(await self._http.post(self.path(kind, namespace), json=body))
