@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import ROOT, Kubectl
+# NOTE: not `from conftest import ...`: with tests/ on pythonpath that name is tests/conftest.py.
+ROOT = Path(__file__).resolve().parents[1]
+Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]  # the `kubectl` fixture's type (e2e/conftest.py)
 
 pytestmark = pytest.mark.e2e
 
