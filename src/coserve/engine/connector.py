@@ -1,4 +1,4 @@
-"""CoServeConnector: coserve's vLLM KV connector; for now it carries the layer safepoints.
+"""CoServeConnector: coserve's vLLM KV connector: layer safepoints, host KV offload, the shm handoff.
 
 vLLM calls a KV connector's worker-side ``wait_for_layer_load`` before every
 attention layer, in eager and in torch.compile mode (plain forward hooks do not
@@ -12,13 +12,22 @@ Enable it with
 "kv_connector_module_path": "coserve.engine.connector", "kv_role": "kv_both"}'``
 (the operator renders it). On GPUs it asks vLLM for piecewise CUDA graphs so
 that the per-layer callback runs (see ``requires_piecewise_for_cudagraph``).
-Order 4 adds host KV offload and the prefill-to-decode handoff here.
+
+With ``host_memory_bytes`` > 0 in ``kv_connector_extra_config`` it also
+checkpoints every completed KV block to a bounded host pool and reloads a
+preempted or returning request's prefix from it instead of recomputing; with
+``handoff_backend: shm`` a prefiller (``kv_role: kv_producer``) leaves its
+blocks in a shared-memory directory where a decoder (``kv_consumer``) loads
+them. ``coserve.engine.offload`` has the two halves, ``coserve.kv`` the policy
+and the settings (``coserve.kv.config`` lists them; a bad one stops the engine
+at start-up naming it).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,16 +36,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from coserve.engine.kv_metrics import CoServeKVPromMetrics, CoServeKVStats
+from coserve.engine.offload import OffloadPlanner, OffloadWorker, StepPlan, model_salt
 from coserve.engine.safepoint import SafepointBoard, board_name
 from coserve.engine.tp_sync import agree_across_tp
+from coserve.kv.config import KVSettings, parse_kv_settings
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["CoServeConnector", "CoServeConnectorMetadata", "StepPreempted"]
@@ -60,6 +79,7 @@ class CoServeConnectorMetadata(KVConnectorMetadata):
     step_id: int
     board: str
     safepoints: bool
+    kv: StepPlan = field(default_factory=StepPlan)
 
 
 class CoServeConnector(KVConnectorBase_V1):
@@ -78,23 +98,117 @@ class CoServeConnector(KVConnectorBase_V1):
         self._next_step_id = 0
         self._board: SafepointBoard | None = None
         self._step_id = -1
+        self.kv_settings: KVSettings = parse_kv_settings(extra)
+        role_name = str(self._kv_transfer_config.kv_role)
+        self._produce = role_name in ("kv_producer", "kv_both")
+        self._consume = role_name in ("kv_consumer", "kv_both")
+        self.planner: OffloadPlanner | None = None
+        self.kv_worker: OffloadWorker | None = None
+        if not (self.kv_settings.offload or self.kv_settings.handoff) or kv_cache_config is None:
+            return
+        block_size = vllm_config.cache_config.block_size
+        group = kv_cache_config.kv_cache_groups[0]
+        block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        if role == KVConnectorRole.SCHEDULER:
+            from coserve.engine.scheduler import CONFIG_ENV
+            from coserve.scheduling.config import load_engine_config
+
+            config = load_engine_config(
+                extra.get("coserve_config") or os.environ.get(CONFIG_ENV),
+                vllm_config.scheduler_config.max_num_batched_tokens,
+            )
+            salt = model_salt(
+                vllm_config.model_config.model,
+                block_size,
+                str(vllm_config.cache_config.cache_dtype),
+                str(vllm_config.model_config.dtype),
+                len(group.layer_names),
+                vllm_config.parallel_config.tensor_parallel_size,
+            )
+            self.planner = OffloadPlanner(
+                self.kv_settings,
+                block_size=block_size,
+                block_bytes=block_bytes,
+                salt=salt,
+                config=config,
+                produce=self._produce,
+                consume=self._consume,
+            )
+            logger.info(
+                "KV offload: %d host blocks of %.2f MiB (%d bytes bound), handoff %s (%s)",
+                self.planner.pool.capacity,
+                block_bytes / 2**20,
+                self.kv_settings.host_memory_bytes,
+                self.kv_settings.handoff_backend,
+                role_name,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            capacity = self.kv_settings.host_memory_bytes // block_bytes if self.kv_settings.offload else 0
+            self.kv_worker = OffloadWorker(
+                self.kv_settings, capacity=capacity, rank=get_tensor_model_parallel_rank(), produce=self._produce
+            )
+            self._num_blocks = kv_cache_config.num_blocks
 
     # ==============================
     # Scheduler-side methods
     # ==============================
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return 0, False
+        """Called by vLLM's scheduler for a request it takes from the waiting queue: tokens we can load."""
+        if self.planner is None:
+            return 0, False
+        return self.planner.matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        return None
+        if self.planner is not None:
+            self.planner.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """Called by vLLM's scheduler once per step; gives the step its number."""
+        """Called by vLLM's scheduler once per step; gives the step its number and its KV copies."""
         self._next_step_id += 1
-        return CoServeConnectorMetadata(self._next_step_id, self.board_name, self.safepoints)
+        plan = self.planner.plan_step(scheduler_output) if self.planner is not None else StepPlan()
+        return CoServeConnectorMetadata(self._next_step_id, self.board_name, self.safepoints, plan)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Called by vLLM's scheduler after a step the workers completed (an abandoned one never gets here).
+
+        The host pool's counters join the workers' stats here, before the scheduler reads them for /metrics.
+        """
+        super().update_connector_output(connector_output)
+        if self.planner is None:
+            return
+        self.planner.step_done()
+        stats = CoServeKVStats(data=self.planner.take_stats())
+        if connector_output.kv_connector_stats is None:
+            connector_output.kv_connector_stats = stats
+        else:
+            connector_output.kv_connector_stats.aggregate(stats)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return CoServeKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return CoServeKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def reset_cache(self) -> bool | None:
+        """``POST /reset_prefix_cache?reset_external=true``: empty the host pool too."""
+        if self.planner is not None:
+            self.planner.pool.clear()
+        return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.planner is not None:
+            self.planner.finished(request.request_id)
         return False, None
 
     @classmethod
@@ -106,24 +220,34 @@ class CoServeConnector(KVConnectorBase_V1):
     # Worker-side methods
     # ==============================
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.kv_worker is not None:
+            self.kv_worker.register(kv_caches, self._num_blocks)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Called by the model runner before each forward: remember which step is running."""
+        """Called by the model runner before each forward: remember which step is running, start its loads."""
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, CoServeConnectorMetadata):
             self._step_id = connector_metadata.step_id
             if self._board is None and connector_metadata.safepoints:
                 self._board = SafepointBoard.attach(connector_metadata.board)
+            if self.kv_worker is not None:
+                self.kv_worker.begin(connector_metadata.kv)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        return None
+        return None  # bind_connector_metadata already started the first layer's reload
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """The safepoint, called by vLLM before every attention layer of every step."""
+        """The safepoint, called by vLLM before every attention layer of every step; then the layer's reload."""
         self._safepoint(layer_name)
+        if self.kv_worker is not None:
+            self.kv_worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Called after each attention layer: a second safepoint, so the wait is at most half a layer
-        (attention or MLP) instead of a whole one. The layer's KV is complete by then."""
+        """Called after each attention layer: queue the layer's copy-out, then a second safepoint, so the
+        wait is at most half a layer (attention or MLP) instead of a whole one. The layer's KV is complete."""
+        if self.kv_worker is not None:
+            self.kv_worker.save_layer(layer_name)
         self._safepoint(layer_name)
 
     def _safepoint(self, layer_name: str) -> None:
@@ -134,7 +258,24 @@ class CoServeConnector(KVConnectorBase_V1):
             raise StepPreempted(self._step_id, layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        """End of the step: the step's copy-outs are done before vLLM may free or reuse their blocks."""
+        if self.kv_worker is not None:
+            self.kv_worker.end()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Called by the model runner after each step: this worker's copy counters since the last call."""
+        data = self.kv_worker.take_stats() if self.kv_worker is not None else None
+        return CoServeKVStats(data=data) if data else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.kv_worker is None or not self.kv_worker.load_errors:
+            return set()
+        errors, self.kv_worker.load_errors = self.kv_worker.load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.kv_worker is not None:
+            self.kv_worker.close()
 
     @property
     def board(self) -> SafepointBoard | None:

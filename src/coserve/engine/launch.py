@@ -37,6 +37,11 @@ class EngineSettings:
     dtype: str = "float32"
     extra_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 300.0
+    # KV offload / handoff settings (coserve.kv.config) and the connector's role
+    kv: dict[str, Any] = field(default_factory=dict)
+    kv_role: str = "kv_both"
+    # vLLM's dev endpoints (POST /reset_prefix_cache): tests and benchmarks evict KV with them
+    dev_mode: bool = False
 
 
 def _free_port() -> int:
@@ -85,9 +90,9 @@ class EngineServer:
             transfer = {
                 "kv_connector": "CoServeConnector",
                 "kv_connector_module_path": "coserve.engine.connector",
-                "kv_role": "kv_both",
+                "kv_role": s.kv_role,
                 "engine_id": self.engine_id,
-                "kv_connector_extra_config": {"safepoints": s.safepoints},
+                "kv_connector_extra_config": {"safepoints": s.safepoints, **s.kv},
             }
             args += [
                 "--scheduler-cls",
@@ -113,6 +118,8 @@ class EngineServer:
             "COSERVE_CONFIG": str(config),
             "VLLM_CPU_CI_ENV": "1",
         }
+        if s.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(  # noqa: S603 - our own argv, no shell
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=s.workdir
