@@ -365,28 +365,69 @@ def test_config_hash_ignores_key_order() -> None:
 # --- engine pods ------------------------------------------------------------------------------
 
 
+COSERVE_CONNECTOR = {"kv_connector": "CoServeConnector", "kv_connector_module_path": "coserve.engine.connector"}
+CPU_ENGINE = {"resources": {"limits": {"cpu": "8"}}}
+GPU_ENGINE = {"resources": {"limits": {"nvidia.com/gpu": 1}}}
+
+
 @pytest.mark.parametrize(("role", "kv_role"), [("prefiller", "kv_producer"), ("decoder", "kv_consumer")])
-def test_prefiller_produces_and_decoder_consumes_kv(role: str, kv_role: str) -> None:
-    assert kv_config(render(make_pool()), role) == {
-        "kv_connector": "CoServeConnector",
-        "kv_connector_module_path": "coserve.engine.connector",
+def test_gpu_engines_hand_kv_over_with_nixl_beside_coserves_connector(role: str, kv_role: str) -> None:
+    assert kv_config(render(make_pool(engine=GPU_ENGINE)), role) == {
+        "kv_connector": "MultiConnector",
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    **COSERVE_CONNECTOR,
+                    "kv_role": kv_role,
+                    "kv_connector_extra_config": {"coserve_config": "/etc/coserve/engine.json"},
+                },
+                {"kv_connector": "NixlConnector", "kv_role": kv_role},
+            ]
+        },
+    }
+
+
+@pytest.mark.parametrize(("role", "kv_role"), [("prefiller", "kv_producer"), ("decoder", "kv_consumer")])
+def test_cpu_engines_get_coserves_connector_alone(role: str, kv_role: str) -> None:
+    assert kv_config(render(make_pool(engine=CPU_ENGINE)), role) == {
+        **COSERVE_CONNECTOR,
         "kv_role": kv_role,
         "kv_connector_extra_config": {"coserve_config": "/etc/coserve/engine.json"},
     }
 
 
 @pytest.mark.parametrize("role", ["prefiller", "decoder"])
-def test_kv_offload_settings_reach_the_connector_only_when_enabled(role: str) -> None:
-    document = make_pool(kvOffload={"enabled": True, "backend": "native", "hostMemoryBytes": 4 * 2**30})
-
-    extra = kv_config(render(document), role)["kv_connector_extra_config"]
-
-    assert extra == {
-        "coserve_config": "/etc/coserve/engine.json",
-        "kv_offload_backend": "native",
-        "host_memory_bytes": 4 * 2**30,
-    }
+def test_the_host_pool_size_reaches_coserves_connector_only_when_enabled(role: str) -> None:
+    enabled = make_pool(engine=CPU_ENGINE, kvOffload={"enabled": True, "hostMemoryBytes": 4 * 2**30})
+    extra = kv_config(render(enabled), role)["kv_connector_extra_config"]
+    assert extra == {"coserve_config": "/etc/coserve/engine.json", "host_memory_bytes": 4 * 2**30}
     assert type(extra["host_memory_bytes"]) is int
+    disabled = make_pool(engine=CPU_ENGINE, kvOffload={"enabled": False, "hostMemoryBytes": 4 * 2**30})
+    assert "host_memory_bytes" not in kv_config(render(disabled), role)["kv_connector_extra_config"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "connector", "env"),
+    [
+        ("native", {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": 4 * 2**30}}, {}),
+        ("lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+         {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": "4"}),
+    ],
+)  # fmt: skip
+def test_gpu_offload_backends_are_their_own_connectors(
+    backend: str, connector: dict[str, Any], env: dict[str, str]
+) -> None:
+    document = make_pool(
+        engine=GPU_ENGINE, kvOffload={"enabled": True, "backend": backend, "hostMemoryBytes": 4 * 2**30}
+    )
+    children = render(document)
+    connectors = kv_config(children, "decoder")["kv_connector_extra_config"]["connectors"]
+    assert connectors[-1] == connector
+    assert "host_memory_bytes" not in connectors[0]["kv_connector_extra_config"]  # coserve's own pool stays off
+    rendered_env = {item["name"]: item["value"] for item in container(children, "decoder")["env"]}
+    assert env.items() <= rendered_env.items()
 
 
 def test_engine_args_put_coserve_flags_first_then_engine_then_role_extra_args() -> None:

@@ -180,6 +180,10 @@ class CoServeConnector(KVConnectorBase_V1):
         if self.planner is None:
             return
         self.planner.step_done()
+        workers = connector_output.kv_connector_stats
+        if workers is not None:
+            copied = float(workers.data.get("bytes_offloaded", 0)) + float(workers.data.get("bytes_reloaded", 0))
+            self.planner.observe_copies(copied, float(sum(workers.data.get("step_copy_s") or [])))
         stats = CoServeKVStats(data=self.planner.take_stats())
         if connector_output.kv_connector_stats is None:
             connector_output.kv_connector_stats = stats
@@ -244,8 +248,8 @@ class CoServeConnector(KVConnectorBase_V1):
             self.kv_worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Called after each attention layer: queue the layer's copy-out, then a second safepoint, so the
-        wait is at most half a layer (attention or MLP) instead of a whole one. The layer's KV is complete."""
+        """Called after each attention layer: a second safepoint, so the wait is at most half a layer
+        (attention or MLP) instead of a whole one."""
         if self.kv_worker is not None:
             self.kv_worker.save_layer(layer_name)
         self._safepoint(layer_name)
@@ -258,7 +262,7 @@ class CoServeConnector(KVConnectorBase_V1):
             raise StepPreempted(self._step_id, layer_name)
 
     def wait_for_save(self) -> None:
-        """End of the step: the step's copy-outs are done before vLLM may free or reuse their blocks."""
+        """End of the forward: start the step's copy-outs (the next forward waits for them)."""
         if self.kv_worker is not None:
             self.kv_worker.end()
 

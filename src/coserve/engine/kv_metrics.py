@@ -37,7 +37,7 @@ _BLOCK_EVENTS = {
     "handoff_blocks": "handoff_loaded",
     "handoff_files": "handoff_written",
 }
-_GAUGES = ("pool_occupancy", "pool_blocks")
+_GAUGES = ("pool_occupancy", "pool_blocks", "copy_bandwidth_bytes_per_s")
 
 
 @dataclass

