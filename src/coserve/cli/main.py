@@ -118,7 +118,53 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_profile_command(commands)
     _add_operator_command(commands)
+    _add_router_command(commands)
     return parser
+
+
+def _add_router_command(commands: Any) -> None:
+    router = commands.add_parser(
+        "router",
+        help="run the OpenAI-compatible router in front of a pool's engines",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics, placing "
+        "conversations (turn 1 via a prefiller onto the decoder with the lowest KV occupancy, later turns on "
+        "that decoder) and capping each request's class at its tenant's. The config is the router.json the "
+        "operator renders (see coserve.router.config).",
+    )
+    router.add_argument("--config", required=True, metavar="FILE", help="router.json")
+    router.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")  # noqa: S104
+    router.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    router.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), default="info", help="log level (default: info)"
+    )
+    router.set_defaults(handler=_cmd_router)
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from coserve.router.config import parse_router_config
+
+    path = Path(args.config)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise InvalidInput([Problem("--config", f"cannot read {path}: {error.strerror or error}")]) from None
+    except json.JSONDecodeError as error:
+        raise InvalidInput([Problem("--config", f"{path} is not JSON: {error}")]) from None
+    if not isinstance(data, dict):
+        raise InvalidInput([Problem("--config", f"{path} must hold a JSON object")])
+    if not 1 <= args.port <= 65535:
+        raise InvalidInput([Problem("--port", f"must be a port number, got {args.port}")])
+    config = parse_router_config(data)
+
+    import uvicorn
+
+    from coserve.router.app import build_app
+
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return EXIT_OK
 
 
 def _add_operator_command(commands: Any) -> None:

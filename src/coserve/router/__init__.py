@@ -1,0 +1,1 @@
+"""The OpenAI-compatible router: conversation-level placement (policy.py, pure) and its HTTP app (app.py)."""

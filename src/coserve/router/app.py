@@ -1,0 +1,467 @@
+"""The OpenAI-compatible router: conversation-level P/D placement in front of vLLM engines (thin I/O).
+
+Who calls it: ``coserve router --config FILE`` (uvicorn) and ``coserve up``;
+tests build it with ``build_app``. The decisions are ``coserve.router.policy``'s.
+
+Per request to ``/v1/chat/completions`` or ``/v1/completions``:
+
+1. the body is read (at most ``maxBodyBytes``: 413) and checked (400/404 with an
+   OpenAI error body naming the field);
+2. its class: what it asks for, capped at its tenant's (``Authorization: Bearer``
+   key in ``tenants``); forwarded as ``vllm_xargs.coserve_class``;
+3. its conversation: pinned to a decoder already, or placed now (turn 1, or a
+   re-placement when the pinned decoder is gone): with prefillers, the prompt is
+   prefilled on one (``max_tokens`` 1, ``kv_transfer_params`` asking for a remote
+   decode) so the decoder loads its KV instead of computing it; then it is
+   pinned to the decoder with the lowest KV occupancy;
+4. the decoder's answer is passed through as it comes (SSE chunks unbuffered).
+   A decoder that cannot be reached before anything was sent to the client is
+   marked down, its conversations lose their pins, and the request is retried
+   once on another decoder (a re-placement): never silently dropped.
+
+Engines are polled every ``pollS`` for ``vllm:kv_cache_usage_perc`` and
+``vllm:num_requests_waiting``; with ``prefillerService`` / ``decoderService`` the
+headless Services are resolved (DNS) at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from coserve.router.config import RouterConfig
+from coserve.router.policy import EngineLoad, PinTable, choose_decoder, choose_gain_oriented, conversation_id
+from coserve.router.policy import resolve_class as class_for
+from coserve.scheduling.requests import InvalidRequestClass
+
+__all__ = ["Router", "build_app", "error_response"]
+
+logger = logging.getLogger("coserve.router")
+
+_RETRYABLE = {502, 503, 504}
+_METRIC = re.compile(r"^(vllm:kv_cache_usage_perc|vllm:num_requests_waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body."""
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "coserve_router_requests", "Requests by endpoint and status.", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "coserve_router_ttft_seconds",
+            "Time to first token (first streamed chunk, or the whole answer when not streaming), by class.",
+            ["cls"],
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.tbt = Histogram(
+            "coserve_router_tbt_seconds",
+            "Time between streamed chunks.",
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.ttfet = Histogram(
+            "coserve_router_ttfet_seconds",
+            "From a conversation's first arrival to the first token of its latest turn.",
+            registry=r,
+            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        self.slo = Counter(
+            "coserve_router_ttft_slo",
+            "Requests by class and whether TTFT met the class's SLO.",
+            ["cls", "met"],
+            registry=r,
+        )
+        self.replacements = Counter(
+            "coserve_router_replacements", "Conversations re-placed because their decoder was gone.", registry=r
+        )
+        self.conversations = Counter("coserve_router_conversations", "New conversations (turn 1 arrivals).", registry=r)
+        self.turns = Counter("coserve_router_turns", "Turns of pinned conversations (turn 2 and later).", registry=r)
+        self.prompt_tokens = Counter(
+            "coserve_router_prompt_tokens", "Prompt tokens of answered requests (engines' usage).", registry=r
+        )
+        self.output_tokens = Counter(
+            "coserve_router_output_tokens", "Output tokens of answered requests (engines' usage).", registry=r
+        )
+        self.pinned = Gauge(
+            "coserve_router_pinned_conversations", "Pinned conversations by decoder.", ["decoder"], registry=r
+        )
+        self.prefill_queue = Gauge(
+            "coserve_router_prefiller_waiting",
+            "Requests waiting in each prefiller (polled).",
+            ["prefiller"],
+            registry=r,
+        )
+        self.prefill_failures = Counter(
+            "coserve_router_prefill_failures", "Prefills that failed; the decoder computed the prompt.", registry=r
+        )
+
+
+class Router:
+    """The router's state: engines, pins, the upstream connection pool, metrics."""
+
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.prefillers: dict[str, EngineLoad] = {url: EngineLoad(url) for url in config.prefillers}
+        self.decoders: dict[str, EngineLoad] = {url: EngineLoad(url) for url in config.decoders}
+        self.pins = PinTable(config.pin_ttl_s, config.max_pins)
+        self.metrics = _Metrics()
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.upstream_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        self._poller: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        await self.client.aclose()
+
+    # -- engines ------------------------------------------------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_s)
+            try:
+                await self.refresh()
+            except Exception:  # the poller must outlive any one bad poll
+                logger.exception("engine poll failed")
+
+    async def refresh(self) -> None:
+        """Resolve Services (if configured), then read every engine's load."""
+        for service, engines in (
+            (self.config.prefiller_service, self.prefillers),
+            (self.config.decoder_service, self.decoders),
+        ):
+            if service:
+                await self._resolve(service, engines)
+        everyone = [*self.prefillers.values(), *self.decoders.values()]
+        await asyncio.gather(*(self._poll(engine) for engine in everyone))
+        self.pins.expire(self.clock())
+        for url, count in self.pins.per_decoder().items():
+            self.metrics.pinned.labels(url).set(count)
+        for url, engine in self.prefillers.items():
+            self.metrics.prefill_queue.labels(url).set(engine.waiting)
+
+    async def _resolve(self, service: str, engines: dict[str, EngineLoad]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(service, self.config.engine_port, type=socket.SOCK_STREAM)
+        except OSError as error:
+            logger.warning("cannot resolve %s: %s", service, error)
+            return
+        urls = {f"http://{info[4][0]}:{self.config.engine_port}" for info in infos}
+        for url in urls - set(engines):
+            engines[url] = EngineLoad(url)
+        for url in set(engines) - urls:
+            del engines[url]
+            self.pins.drop_decoder(url)
+
+    async def _poll(self, engine: EngineLoad) -> None:
+        try:
+            response = await self.client.get(f"{engine.url}/metrics", timeout=2.0)
+            response.raise_for_status()
+        except httpx.HTTPError:
+            engine.healthy = False
+            return
+        usage, waiting = 0.0, 0.0
+        for line in response.text.splitlines():
+            match = _METRIC.match(line)
+            if match and match.group(1) == "vllm:kv_cache_usage_perc":
+                usage = max(usage, float(match.group(2)))
+            elif match:
+                waiting += float(match.group(2))
+        engine.polled(usage, int(waiting))
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        arrived = self.clock()
+        response = await self._handle(request, endpoint, arrived)
+        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    async def _handle(self, request: Request, endpoint: str, arrived: float) -> Response:
+        body, problem = await self._read_json(request)
+        if body is None:
+            return problem or error_response(400, "no body")
+        checked = self._check(body, endpoint)
+        if checked is not None:
+            return checked
+        token = request.headers.get("authorization", "")
+        key = token[7:].strip() if token.lower().startswith("bearer ") else None
+        tenant = self.config.tenants.get(key) if key else None
+        if tenant is None:
+            tenant = self.config.anonymous_class or self.config.classes.default.name
+        xargs = body.get("vllm_xargs") or {}
+        if not isinstance(xargs, dict):
+            return error_response(400, "must be an object", "vllm_xargs")
+        asked = xargs.get("coserve_class")
+        priority = body.get("priority")
+        if asked is not None and not isinstance(asked, str):
+            return error_response(400, f"must be a class name, got {asked!r}", "vllm_xargs.coserve_class")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            return error_response(400, f"must be an integer, got {priority!r}", "priority")
+        try:
+            cls = class_for(self.config.classes, tenant, asked, priority)
+        except InvalidRequestClass as error:
+            return error_response(400, str(error), "vllm_xargs.coserve_class")
+        body.pop("priority", None)
+        body.pop("conversation_id", None)
+        body["vllm_xargs"] = {**xargs, "coserve_class": cls.name}
+        conversation = conversation_id({k.lower(): v for k, v in request.headers.items()}, body)
+        return await self._route(endpoint, body, conversation, cls.name, cls.ttft_slo_s, arrived)
+
+    async def _read_json(self, request: Request) -> tuple[dict[str, Any] | None, Response | None]:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return None, error_response(413, f"request body over {limit} bytes", kind="invalid_request_error")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                return None, error_response(413, f"request body over {limit} bytes", kind="invalid_request_error")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return None, error_response(400, f"the body is not valid JSON: {error}")
+        if not isinstance(body, dict):
+            return None, error_response(400, "the body must be a JSON object")
+        return body, None
+
+    def _check(self, body: Mapping[str, Any], endpoint: str) -> Response | None:
+        model = body.get("model")
+        if not isinstance(model, str):
+            return error_response(400, "required: the model name (a string)", "model")
+        if model != self.config.model:
+            return error_response(
+                404, f"the model {model!r} does not exist; this pool serves {self.config.model!r}", "model",
+                kind="model_not_found",
+            )  # fmt: skip
+        if endpoint == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return error_response(400, "required: a non-empty list of messages", "messages")
+            for index, message in enumerate(messages):
+                if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                    return error_response(400, "each message needs a role", f"messages[{index}].role")
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, (str, list)) or not prompt:
+                return error_response(400, "required: a prompt (text or token ids)", "prompt")
+        if "stream" in body and not isinstance(body["stream"], bool):
+            return error_response(400, f"must be true or false, got {body['stream']!r}", "stream")
+        for key in ("max_tokens", "max_completion_tokens", "n"):
+            value = body.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                return error_response(400, f"must be a positive integer, got {value!r}", key)
+        return None
+
+    async def _route(
+        self, endpoint: str, body: dict[str, Any], conversation: str, cls: str, slo_s: float, arrived: float
+    ) -> Response:
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        now = self.clock()
+        pin = self.pins.get(conversation, now)
+        tried: set[str] = set()
+        for attempt in range(2):
+            decoder = self.decoders.get(pin.decoder) if pin is not None else None
+            if decoder is None or not decoder.healthy or decoder.url in tried:
+                if pin is not None:
+                    self.metrics.replacements.inc()
+                elif attempt == 0:
+                    self.metrics.conversations.inc()
+                candidates = [d for d in self.decoders.values() if d.url not in tried]
+                decoder = choose_decoder(candidates, self.config.decoder_full)
+                if decoder is None:
+                    return error_response(
+                        503, "no decoder can take a new conversation now (all full or down); retry shortly"
+                    )
+                body = await self._prefill(path, body)
+                pin = self.pins.pin(conversation, decoder.url, now)
+            else:
+                self.metrics.turns.inc()
+            assert pin is not None  # noqa: S101 - set on both branches above (for the type checker)
+            pin.turns += 1
+            decoder.admitted_tokens += _estimate_tokens(body)
+            try:
+                return await self._forward(decoder, path, body, cls, slo_s, arrived, pin.first_arrival_s)
+            except _Unavailable as failure:
+                logger.warning("decoder %s failed (%s): re-placing conversation %s", decoder.url, failure, conversation)
+                decoder.healthy = False
+                self.pins.drop_decoder(decoder.url)
+                tried.add(decoder.url)
+        return error_response(502, "the decoders failed to answer; the request was tried twice")
+
+    async def _prefill(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Turn 1 on a prefiller: its KV goes to the decoder (handoff); on failure the decoder computes it."""
+        prefiller = choose_gain_oriented(list(self.prefillers.values()), {})
+        if prefiller is None:
+            return body
+        prefill = {**body, "stream": False, "max_tokens": 1}
+        if self.config.kv_transfer_params:
+            prefill["kv_transfer_params"] = {"do_remote_decode": True}
+        prefill.pop("max_completion_tokens", None)
+        prefill.pop("stream_options", None)
+        prefiller.admitted_tokens += _estimate_tokens(body)
+        try:
+            response = await self.client.post(f"{prefiller.url}{path}", json=prefill)
+            response.raise_for_status()
+            params = response.json().get("kv_transfer_params")
+        except (httpx.HTTPError, ValueError) as error:
+            logger.warning("prefill on %s failed (%s): the decoder computes the prompt", prefiller.url, error)
+            self.metrics.prefill_failures.inc()
+            if isinstance(error, httpx.TransportError):
+                prefiller.healthy = False
+            return body
+        return {**body, "kv_transfer_params": params} if params else body
+
+    async def _forward(
+        self, decoder: EngineLoad, path: str, body: dict[str, Any], cls: str, slo_s: float, arrived: float,
+        first_arrival: float,
+    ) -> Response:  # fmt: skip
+        upstream = self.client.build_request("POST", f"{decoder.url}{path}", json=body)
+        try:
+            response = await self.client.send(upstream, stream=True)
+        except httpx.TransportError as error:
+            raise _Unavailable(str(error)) from error
+        if response.status_code in _RETRYABLE:
+            await response.aclose()
+            raise _Unavailable(f"HTTP {response.status_code}")
+        headers = {"content-type": response.headers.get("content-type", "application/json")}
+        if not body.get("stream"):
+            try:
+                content = await response.aread()
+            except httpx.HTTPError as error:
+                raise _Unavailable(str(error)) from error
+            finally:
+                await response.aclose()
+            self._observe(cls, slo_s, arrived, first_arrival)
+            self._count_usage(content)
+            return Response(content, response.status_code, headers=headers)
+        return StreamingResponse(
+            self._relay(response, cls, slo_s, arrived, first_arrival), response.status_code, headers=headers
+        )
+
+    async def _relay(
+        self, response: httpx.Response, cls: str, slo_s: float, arrived: float, first_arrival: float
+    ) -> AsyncIterator[bytes]:
+        last: float | None = None
+        try:
+            async for chunk in response.aiter_raw():
+                now = self.clock()
+                if last is None:
+                    self._observe(cls, slo_s, arrived, first_arrival)
+                else:
+                    self.metrics.tbt.observe(now - last)
+                last = now
+                yield chunk
+        except httpx.HTTPError as error:
+            # the client already has part of the answer: end the stream with an error event, not silence
+            message = json.dumps({"error": {"message": f"the decoder failed mid-answer: {error}", "code": 502}})
+            yield f"data: {message}\n\n".encode()
+        finally:
+            await response.aclose()
+
+    def _observe(self, cls: str, slo_s: float, arrived: float, first_arrival: float) -> None:
+        now = self.clock()
+        self.metrics.ttft.labels(cls).observe(now - arrived)
+        self.metrics.slo.labels(cls, str(now - arrived <= slo_s).lower()).inc()
+        self.metrics.ttfet.observe(now - first_arrival)
+
+    def _count_usage(self, content: bytes) -> None:
+        try:
+            usage = json.loads(content).get("usage") or {}
+        except (ValueError, AttributeError):
+            return
+        self.metrics.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
+        self.metrics.output_tokens.inc(usage.get("completion_tokens") or 0)
+
+
+class _Unavailable(RuntimeError):
+    """The decoder could not be used, and nothing was sent to the client yet: safe to retry elsewhere."""
+
+
+def _estimate_tokens(body: Mapping[str, Any]) -> int:
+    """A cheap size estimate for the admitted-token accounting (4 characters a token)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return len(prompt)
+    if isinstance(prompt, str):
+        return len(prompt) // 4
+    return sum(len(str(m.get("content", ""))) for m in body.get("messages") or [] if isinstance(m, dict)) // 4
+
+
+def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
+    """The ASGI app; ``router`` (tests) or a new one, started and closed with the app."""
+    state = router or Router(config)
+
+    async def chat(request: Request) -> Response:
+        return await state.handle(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await state.handle(request, "completions")
+
+    async def models(_: Request) -> Response:
+        return JSONResponse(
+            {"object": "list", "data": [{"id": config.model, "object": "model", "owned_by": "coserve"}]}
+        )
+
+    async def health(_: Request) -> Response:
+        up = [d.url for d in state.decoders.values() if d.healthy]
+        status = 200 if up else 503
+        return JSONResponse({"decoders_up": len(up), "pinned": len(state.pins)}, status)
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(state.metrics.registry), headers={"content-type": "text/plain; version=0.0.4"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.router = state
+    return app

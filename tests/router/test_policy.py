@@ -1,0 +1,123 @@
+"""The router's pure decisions (coserve.router.policy), table-driven."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from coserve.router.policy import (
+    EngineLoad,
+    PinTable,
+    choose_decoder,
+    choose_gain_oriented,
+    conversation_id,
+    resolve_class,
+)
+from coserve.scheduling.config import DEFAULT_CLASSES
+from coserve.scheduling.requests import ClassRegistry, InvalidRequestClass
+
+CLASSES = ClassRegistry(DEFAULT_CLASSES)  # interactive > standard > offline
+
+SYSTEM = {"role": "system", "content": "be brief"}
+TURN1 = [SYSTEM, {"role": "user", "content": "plan a trip"}]
+TURN2 = [*TURN1, {"role": "assistant", "content": "where to?"}, {"role": "user", "content": "Rome"}]
+
+
+@pytest.mark.parametrize(
+    ("headers", "a", "b", "same"),
+    [
+        ({}, {"model": "m", "messages": TURN1}, {"model": "m", "messages": TURN2}, True),  # turns of one chat
+        ({}, {"model": "m", "messages": TURN1}, {"model": "m", "messages": [SYSTEM, {"role": "user", "content": "x"}]},
+         False),
+        ({}, {"model": "m", "prompt": "p" * 600}, {"model": "m", "prompt": "p" * 600 + " more"}, True),
+        ({}, {"model": "m", "prompt": list(range(200))}, {"model": "m", "prompt": [*range(200), 5]}, True),
+        ({}, {"model": "m", "prompt": "a"}, {"model": "other", "prompt": "a"}, False),
+        ({"x-conversation-id": "c1"}, {"model": "m", "prompt": "a"}, {"model": "m", "prompt": "b"}, True),
+    ],
+)  # fmt: skip
+def test_conversation_identity(headers: dict[str, str], a: dict[str, Any], b: dict[str, Any], same: bool) -> None:
+    assert (conversation_id(headers, a) == conversation_id(headers, b)) is same
+
+
+def test_an_explicit_id_wins_over_the_hash() -> None:
+    assert conversation_id({}, {"conversation_id": "abc", "messages": TURN1}) == "abc"
+    assert conversation_id({"x-conversation-id": "h"}, {"conversation_id": "abc"}) == "h"
+
+
+@pytest.mark.parametrize(
+    ("tenant", "asked", "priority", "expected"),
+    [
+        ("interactive", None, None, "interactive"),  # a tenant's own class by default
+        ("interactive", "offline", None, "offline"),  # lowering is always allowed
+        ("offline", "interactive", None, "offline"),  # raising is capped at the tenant's class
+        ("standard", None, 2, "offline"),  # priority integers map onto classes by rank
+        ("standard", None, 0, "standard"),
+    ],
+)
+def test_a_request_never_runs_above_its_tenant(
+    tenant: str, asked: str | None, priority: int | None, expected: str
+) -> None:
+    assert resolve_class(CLASSES, tenant, asked, priority).name == expected
+
+
+def test_an_unknown_class_is_an_error_naming_it() -> None:
+    with pytest.raises(InvalidRequestClass, match="gold"):
+        resolve_class(CLASSES, "standard", "gold", None)
+
+
+def load(url: str, usage: float, healthy: bool = True, waiting: int = 0) -> EngineLoad:
+    engine = EngineLoad(url, kv_capacity_tokens=1000, waiting=waiting, healthy=healthy)
+    engine.kv_usage = usage
+    return engine
+
+
+@pytest.mark.parametrize(
+    ("decoders", "expected"),
+    [
+        ([load("a", 0.5), load("b", 0.2)], "b"),
+        ([load("a", 0.5), load("b", 0.2, healthy=False)], "a"),
+        ([load("a", 0.95), load("b", 0.92)], None),  # every decoder is full
+        ([], None),
+    ],
+)
+def test_turn_one_goes_to_the_decoder_with_the_lowest_occupancy(decoders: list[EngineLoad], expected: str) -> None:
+    chosen = choose_decoder(decoders, full=0.9)
+    assert (chosen.url if chosen else None) == expected
+
+
+def test_admitted_tokens_count_until_the_next_poll() -> None:
+    a, b = load("a", 0.2), load("b", 0.3)
+    a.admitted_tokens = 200  # 20 % of its capacity since the last poll
+    assert choose_decoder([a, b]) is b
+    a.polled(0.25, 0)
+    assert choose_decoder([a, b]) is a and a.admitted_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("loads", "deadline", "expected"),
+    [
+        ([0.3, 0.1, 0.7], {}, "1"),  # lightly loaded candidates: the least loaded
+        ([0.6, 0.8, 0.9], {}, "1"),  # in between: the busiest that still meets the deadline
+        ([0.6, 0.8, 0.9], {"1": False}, "0"),  # ... skipping one that would miss it
+        ([0.9, 0.95], {}, "0"),  # all heavy: the least loaded
+    ],
+)
+def test_gain_oriented_dual_threshold(loads: list[float], deadline: dict[str, bool], expected: str) -> None:
+    candidates = [load(str(i), usage) for i, usage in enumerate(loads)]
+    chosen = choose_gain_oriented(candidates, deadline, light=0.5, heavy=0.85)
+    assert chosen is not None and chosen.url == expected
+
+
+def test_pins_expire_when_idle_and_the_table_is_bounded() -> None:
+    pins = PinTable(ttl_s=10, max_pins=2)
+    pins.pin("a", "d1", now_s=0)
+    pins.pin("b", "d1", now_s=1)
+    assert pins.get("a", now_s=5) is not None  # a is now the most recently used
+    pins.pin("c", "d2", now_s=6)  # over the bound: b (least recently used) goes
+    assert pins.get("b", 6) is None and len(pins) == 2
+    assert pins.get("a", now_s=16) is None  # idle 11 s > 10 s
+    assert pins.per_decoder() == {"d2": 1}
+    assert pins.drop_decoder("d2") == 1 and len(pins) == 0
+    with pytest.raises(ValueError):
+        PinTable(ttl_s=0)
