@@ -23,9 +23,9 @@ $(TOOLS): $(STAMP) scripts/install_k8s_tools.py
 	$(BIN)/python scripts/install_k8s_tools.py --dest $(BIN)
 	touch $@
 
-## demo: size the sample pool (order 5 turns this into a local pool)
+## demo: the main job: the sample pool on this machine (plan, engines, router), one conversation through it
 demo: $(STAMP)
-	$(BIN)/coserve plan examples/pool.yaml
+	$(BIN)/coserve up examples/pool.yaml --once --port 0
 
 ## test: lint, type-check, import contracts and the whole test suite
 test: lint typecheck imports unit

@@ -119,7 +119,53 @@ def _parser() -> argparse.ArgumentParser:
     _add_profile_command(commands)
     _add_operator_command(commands)
     _add_router_command(commands)
+    _add_up_command(commands)
     return parser
+
+
+def _add_up_command(commands: Any) -> None:
+    up = commands.add_parser(
+        "up",
+        help="run a pool on this machine: prefiller and decoder engines and the router, no Kubernetes",
+        description="Print the pool's plan, start --prefillers prefiller and --decoders decoder vLLM engines "
+        "(the manifest's model when it is a local folder, else a tiny random-weight model) and the router, and "
+        "print the OpenAI base URL. Ctrl-C or SIGTERM stops every process. --once sends one two-turn "
+        "conversation through the router and stops.",
+    )
+    up.add_argument("file", help="CoServePool manifest (YAML or JSON)")
+    _add_profile_option(up)
+    up.add_argument("--model", metavar="PATH", help="a local model folder (overrides spec.model.name)")
+    up.add_argument("--prefillers", type=int, default=1, help="prefiller engines on this machine (default 1)")
+    up.add_argument("--decoders", type=int, default=1, help="decoder engines on this machine (default 1)")
+    up.add_argument("--port", type=int, default=8080, help="the router's port (default 8080; 0: any free port)")
+    up.add_argument("--once", action="store_true", help="send one two-turn conversation, print it, stop")
+    up.set_defaults(handler=_cmd_up)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    problems = []
+    if not 0 <= args.prefillers <= 8:
+        problems.append(Problem("--prefillers", f"must be 0 to 8 on one machine, got {args.prefillers}"))
+    if not 1 <= args.decoders <= 8:
+        problems.append(Problem("--decoders", f"must be 1 to 8 on one machine, got {args.decoders}"))
+    if not 0 <= args.port <= 65535:
+        problems.append(Problem("--port", f"must be a port number, got {args.port}"))
+    if args.model is not None and not Path(args.model).is_dir():
+        problems.append(Problem("--model", f"{args.model} is not a model folder"))
+    if problems:
+        raise InvalidInput(problems, source="coserve up")
+    pool, _, plan = _load(args)
+    _print_table(pool, plan, sys.stdout)
+    from coserve.local import run_local_pool
+
+    return run_local_pool(
+        pool,
+        model=Path(args.model) if args.model else None,
+        prefillers=args.prefillers,
+        decoders=args.decoders,
+        port=args.port,
+        once=args.once,
+    )
 
 
 def _add_router_command(commands: Any) -> None:

@@ -42,6 +42,7 @@ class EngineSettings:
     kv_role: str = "kv_both"
     # vLLM's dev endpoints (POST /reset_prefix_cache): tests and benchmarks evict KV with them
     dev_mode: bool = False
+    served_model_name: str = "tiny"
 
 
 def _free_port() -> int:
@@ -70,7 +71,7 @@ class EngineServer:
             "--model",
             str(s.model),
             "--served-model-name",
-            "tiny",
+            s.served_model_name,
             "--host",
             "127.0.0.1",
             "--port",

