@@ -36,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-import httpx
+import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -129,11 +129,19 @@ class Router:
         self.decoders: dict[str, EngineLoad] = {url: EngineLoad(url) for url in config.decoders}
         self.pins = PinTable(config.pin_ttl_s, config.max_pins)
         self.metrics = _Metrics()
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.upstream_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
+        # NOTE: aiohttp, not httpx: httpx's pool scans every connection on every request, which capped
+        # the router at ~400 requests/s with 64 concurrent clients (profiled); aiohttp's does not.
+        self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=5.0),
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=60),
+            )
+        return self._session
 
     async def start(self) -> None:
         await self.refresh()
@@ -144,7 +152,8 @@ class Router:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     # -- engines ------------------------------------------------------------------------------------
 
@@ -188,13 +197,14 @@ class Router:
 
     async def _poll(self, engine: EngineLoad) -> None:
         try:
-            response = await self.client.get(f"{engine.url}/metrics", timeout=2.0)
-            response.raise_for_status()
-        except httpx.HTTPError:
+            async with self.session.get(f"{engine.url}/metrics", timeout=aiohttp.ClientTimeout(total=2.0)) as response:
+                response.raise_for_status()
+                text = await response.text()
+        except (TimeoutError, aiohttp.ClientError):
             engine.healthy = False
             return
         usage, waiting = 0.0, 0.0
-        for line in response.text.splitlines():
+        for line in text.splitlines():
             match = _METRIC.match(line)
             if match and match.group(1) == "vllm:kv_cache_usage_perc":
                 usage = max(usage, float(match.group(2)))
@@ -335,13 +345,13 @@ class Router:
         prefill.pop("stream_options", None)
         prefiller.admitted_tokens += _estimate_tokens(body)
         try:
-            response = await self.client.post(f"{prefiller.url}{path}", json=prefill)
-            response.raise_for_status()
-            params = response.json().get("kv_transfer_params")
-        except (httpx.HTTPError, ValueError) as error:
+            async with self.session.post(f"{prefiller.url}{path}", json=prefill) as response:
+                response.raise_for_status()
+                params = (await response.json(content_type=None)).get("kv_transfer_params")
+        except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             logger.warning("prefill on %s failed (%s): the decoder computes the prompt", prefiller.url, error)
             self.metrics.prefill_failures.inc()
-            if isinstance(error, httpx.TransportError):
+            if isinstance(error, aiohttp.ClientConnectionError):
                 prefiller.healthy = False
             return body
         return {**body, "kv_transfer_params": params} if params else body
@@ -350,35 +360,34 @@ class Router:
         self, decoder: EngineLoad, path: str, body: dict[str, Any], cls: str, slo_s: float, arrived: float,
         first_arrival: float,
     ) -> Response:  # fmt: skip
-        upstream = self.client.build_request("POST", f"{decoder.url}{path}", json=body)
         try:
-            response = await self.client.send(upstream, stream=True)
-        except httpx.TransportError as error:
-            raise _Unavailable(str(error)) from error
-        if response.status_code in _RETRYABLE:
-            await response.aclose()
-            raise _Unavailable(f"HTTP {response.status_code}")
+            response = await self.session.post(f"{decoder.url}{path}", json=body)
+        except (TimeoutError, aiohttp.ClientConnectionError) as error:
+            raise _Unavailable(str(error) or type(error).__name__) from error
+        if response.status in _RETRYABLE:
+            response.release()
+            raise _Unavailable(f"HTTP {response.status}")
         headers = {"content-type": response.headers.get("content-type", "application/json")}
         if not body.get("stream"):
             try:
-                content = await response.aread()
-            except httpx.HTTPError as error:
-                raise _Unavailable(str(error)) from error
+                content = await response.read()
+            except (TimeoutError, aiohttp.ClientError) as error:
+                raise _Unavailable(str(error) or type(error).__name__) from error
             finally:
-                await response.aclose()
+                response.release()
             self._observe(cls, slo_s, arrived, first_arrival)
             self._count_usage(content)
-            return Response(content, response.status_code, headers=headers)
+            return Response(content, response.status, headers=headers)
         return StreamingResponse(
-            self._relay(response, cls, slo_s, arrived, first_arrival), response.status_code, headers=headers
+            self._relay(response, cls, slo_s, arrived, first_arrival), response.status, headers=headers
         )
 
     async def _relay(
-        self, response: httpx.Response, cls: str, slo_s: float, arrived: float, first_arrival: float
+        self, response: aiohttp.ClientResponse, cls: str, slo_s: float, arrived: float, first_arrival: float
     ) -> AsyncIterator[bytes]:
         last: float | None = None
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.content.iter_any():
                 now = self.clock()
                 if last is None:
                     self._observe(cls, slo_s, arrived, first_arrival)
@@ -386,12 +395,12 @@ class Router:
                     self.metrics.tbt.observe(now - last)
                 last = now
                 yield chunk
-        except httpx.HTTPError as error:
+        except (TimeoutError, aiohttp.ClientError) as error:
             # the client already has part of the answer: end the stream with an error event, not silence
             message = json.dumps({"error": {"message": f"the decoder failed mid-answer: {error}", "code": 502}})
             yield f"data: {message}\n\n".encode()
         finally:
-            await response.aclose()
+            response.release()
 
     def _observe(self, cls: str, slo_s: float, arrived: float, first_arrival: float) -> None:
         now = self.clock()

@@ -1,0 +1,225 @@
+"""What the router adds on loopback: latency at a fixed request rate, and the highest sustained rate.
+
+Three processes on this 2-core machine: a fast fake upstream (a minimal ASGI app
+answering a fixed completion, standing in for an engine so that only the
+router is measured), ``coserve router`` in front of it (one decoder, no
+prefiller), and this load generator (aiohttp). Each request is a new
+conversation, so every one is placed and pinned.
+
+- Latency: an open-loop Poisson stream at ``--rate`` (500/s) for ``--seconds``,
+  sent directly to the upstream (the baseline) and through the router, in the
+  same run; added latency = router minus direct, at p50 and p99.
+- Throughput: closed loop, ``--concurrency`` clients, non-streaming, through the
+  router and directly; requests/s.
+
+Target: at most 1 ms added at p99 at 500 requests/s; at least 2,000 requests/s
+non-streaming. Writes benchmarks/results/router_overhead.json.
+
+    .venv/bin/python benchmarks/router_overhead.py      # ~1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from _harness import percentile, say, write_result
+
+ANSWER = json.dumps(
+    {
+        "id": "x",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": "ok"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+    }
+).encode()
+METRICS = b'vllm:kv_cache_usage_perc{engine="0"} 0.1\nvllm:num_requests_waiting{engine="0"} 0\n'
+
+
+async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A minimal engine: the fixed answer to any POST, a KV usage on /metrics."""
+    if scope["type"] != "http":
+        return
+    while True:
+        message = await receive()
+        if not message.get("more_body"):
+            break
+    body = METRICS if scope["path"] == "/metrics" else ANSWER
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(url) as response:
+                if response.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def one(session: aiohttp.ClientSession, base: str, index: int) -> float:
+    body = {"model": "tiny", "prompt": f"request {index}", "max_tokens": 1}
+    started = time.perf_counter()
+    async with session.post(f"{base}/v1/completions", json=body) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}")
+    return time.perf_counter() - started
+
+
+async def open_loop(base: str, rate: float, seconds: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    latencies: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for index in range(50):  # warm up connections
+            await one(session, base, index)
+        tasks = []
+        start = time.perf_counter()
+        at = 0.0
+        index = 0
+        while at < seconds:
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(session, base, index)))
+            index += 1
+            at += rng.expovariate(rate)
+        latencies = list(await asyncio.gather(*tasks))
+    return latencies
+
+
+async def closed_loop(base: str, concurrency: int, seconds: float) -> float:
+    done = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        stop = time.perf_counter() + seconds
+
+        async def client(worker: int) -> None:
+            nonlocal done
+            index = worker * 1_000_000
+            while time.perf_counter() < stop:
+                await one(session, base, index)
+                index += 1
+                done += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client(w) for w in range(concurrency)))
+        return done / (time.perf_counter() - started)
+
+
+async def measure(args: argparse.Namespace, upstream: str, router: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session:
+        await wait_ready(session, f"{upstream}/metrics")
+        await wait_ready(session, f"{router}/health")
+    say(f"latency: {args.rate:.0f} requests/s for {args.seconds:.0f} s, direct then through the router")
+    direct = await open_loop(upstream, args.rate, args.seconds, 1)
+    routed = await open_loop(router, args.rate, args.seconds, 1)
+    say(f"throughput: {args.concurrency} clients for {args.seconds:.0f} s, direct then through the router")
+    direct_rps = await closed_loop(upstream, args.concurrency, args.seconds)
+    routed_rps = await closed_loop(router, args.concurrency, args.seconds)
+    return {"direct": direct, "routed": routed, "direct_rps": direct_rps, "routed_rps": routed_rps}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_upstream:
+        import uvicorn
+
+        uvicorn.run(upstream_app, host="127.0.0.1", port=args.serve_upstream, log_level="error", access_log=False)
+        return 0
+    workdir = Path(tempfile.mkdtemp(prefix="coserve-router-bench-"))
+    up_port, router_port = free_port(), free_port()
+    upstream, router = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
+    config = workdir / "router.json"
+    config.write_text(json.dumps({"model": "tiny", "decoders": [upstream], "pollS": 1.0}))
+    processes = [
+        subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up_port)]),  # noqa: S603
+        subprocess.Popen(  # noqa: S603 - our own CLI
+            [
+                str(Path(sys.executable).with_name("coserve")),
+                "router",
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(router_port),
+                "--log-level",
+                "warning",
+            ],
+            env={**os.environ},
+        ),
+    ]
+    try:
+        measured = asyncio.run(measure(args, upstream, router))
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
+    d50, d99 = percentile(measured["direct"], 50), percentile(measured["direct"], 99)
+    r50, r99 = percentile(measured["routed"], 50), percentile(measured["routed"], 99)
+    added50, added99 = r50 - d50, r99 - d99
+    latency_met = added99 <= 0.001
+    throughput_met = measured["routed_rps"] >= 2000
+    print(f"\n{'':28}{'direct':>10}{'router':>10}{'added':>10}")
+    print(f"{'p50 latency (ms)':28}{d50 * 1000:10.2f}{r50 * 1000:10.2f}{added50 * 1000:10.2f}")
+    print(f"{'p99 latency (ms)':28}{d99 * 1000:10.2f}{r99 * 1000:10.2f}{added99 * 1000:10.2f}")
+    print(f"{'requests/s (closed loop)':28}{measured['direct_rps']:10.0f}{measured['routed_rps']:10.0f}")
+    print(f"target: <= 1 ms added at p99 {'met' if latency_met else 'NOT met'}; "
+          f">= 2000 requests/s {'met' if throughput_met else 'NOT met'}")  # fmt: skip
+    write_result(
+        "router_overhead",
+        {
+            "benchmark": "router_overhead",
+            "target": "<= 1 ms added latency at p99 at 500 requests/s; >= 2,000 requests/s non-streaming",
+            "met": bool(latency_met and throughput_met),
+            "latency_met": bool(latency_met),
+            "throughput_met": bool(throughput_met),
+            "added_p50_s": added50,
+            "added_p99_s": added99,
+            "router": {"p50_s": r50, "p99_s": r99, "requests_per_s": measured["routed_rps"]},
+            "baseline": {
+                "name": "direct to the upstream",
+                "p50_s": d50,
+                "p99_s": d99,
+                "requests_per_s": measured["direct_rps"],
+            },
+            "setup": {
+                "rate_per_s": args.rate,
+                "seconds": args.seconds,
+                "concurrency": args.concurrency,
+                "machine": "2 cores, loopback; upstream, router and load generator share them",
+            },
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
