@@ -33,6 +33,7 @@ import logging
 import re
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -302,6 +303,10 @@ class Router:
     ) -> Response:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         now = self.clock()
+        if self.config.placement == "request":
+            return await self._route_request(path, body, cls, slo_s, arrived)
+        if self.config.placement == "turn":
+            conversation = f"{conversation}/{uuid.uuid4().hex}"  # every turn a new conversation
         pin = self.pins.get(conversation, now)
         tried: set[str] = set()
         for attempt in range(2):
@@ -332,6 +337,23 @@ class Router:
                 self.pins.drop_decoder(decoder.url)
                 tried.add(decoder.url)
         return error_response(502, "the decoders failed to answer; the request was tried twice")
+
+    async def _route_request(self, path: str, body: dict[str, Any], cls: str, slo_s: float, arrived: float) -> Response:
+        """The per-request baseline: the least-occupied decoder computes what it lacks; nothing is pinned."""
+        tried: set[str] = set()
+        for _ in range(2):
+            decoder = choose_decoder(
+                [d for d in self.decoders.values() if d.url not in tried], self.config.decoder_full
+            )
+            if decoder is None:
+                break
+            decoder.admitted_tokens += _estimate_tokens(body)
+            try:
+                return await self._forward(decoder, path, body, cls, slo_s, arrived, arrived)
+            except _Unavailable:
+                decoder.healthy = False
+                tried.add(decoder.url)
+        return error_response(503, "no decoder can take the request now (all full or down); retry shortly")
 
     async def _prefill(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Turn 1 on a prefiller: its KV goes to the decoder (handoff); on failure the decoder computes it."""

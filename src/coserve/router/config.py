@@ -9,7 +9,8 @@
      "anonymousClass": "standard",                    # requests without a known key (default: the default class)
      "maxBodyBytes": 8388608, "pinTtlS": 1800, "maxPins": 100000,
      "decoderFull": 0.9, "pollS": 1.0, "upstreamTimeoutS": 600,
-     "kvTransferParams": false}                       # true: vLLM's P/D transfer parameters (NixlConnector)
+     "kvTransferParams": false,                       # true: vLLM's P/D transfer parameters (NixlConnector)
+     "placement": "conversation"}                     # "turn" / "request": baselines (see RouterConfig)
 
 Who calls it: ``coserve router --config FILE`` at start-up. Errors raise
 ``InvalidInput`` with one ``field: reason`` problem each.
@@ -47,6 +48,10 @@ class RouterConfig:
     upstream_timeout_s: float = 600.0
     # send vLLM's P/D transfer parameters with the prefill (NixlConnector on GPUs); the shm handoff needs none
     kv_transfer_params: bool = False
+    # "conversation": pin a conversation's turns to one decoder. Baselines for the ttfet benchmark:
+    # "turn": every turn placed as if new (prefilled on a prefiller, handed to the emptiest decoder);
+    # "request": every request to the emptiest decoder, no prefiller (a per-request load balancer)
+    placement: str = "conversation"
 
 
 def parse_router_config(data: Mapping[str, Any]) -> RouterConfig:
@@ -70,7 +75,7 @@ def parse_router_config(data: Mapping[str, Any]) -> RouterConfig:
             problems.append(Problem(key, "must be a list of http(s) base URLs"))
             value = []
         endpoints[key] = tuple(v.rstrip("/") for v in value)
-    if not endpoints["decoders"] and not data.get("decoderService"):
+    if not endpoints["decoders"] and not data.get("decoderService") and not any(p.path == "decoders" for p in problems):
         problems.append(Problem("decoders", "give decoder URLs or a decoderService to resolve"))
     try:
         classes = ClassRegistry(data.get("priorityClasses") or DEFAULT_CLASSES)
@@ -104,7 +109,10 @@ def parse_router_config(data: Mapping[str, Any]) -> RouterConfig:
         poll_s=number("pollS", 1.0, 0.05, 1.0),
         upstream_timeout_s=number("upstreamTimeoutS", 600.0, 1, 86400),
         kv_transfer_params=bool(data.get("kvTransferParams", False)),
+        placement=str(data.get("placement", "conversation")),
     )
+    if config.placement not in ("conversation", "turn", "request"):
+        problems.append(Problem("placement", f"must be conversation, turn or request, got {config.placement!r}"))
     if problems:
         raise InvalidInput(problems, source="router config")
     return config
