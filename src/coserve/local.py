@@ -38,7 +38,7 @@ from coserve.api.resource import CoServePool
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.operator.resources import engine_config
 
-__all__ = ["run_local_pool"]
+__all__ = ["prefix_hits", "run_local_pool"]
 
 DEFAULT_HOST_POOL_BYTES = 512 << 20
 
@@ -162,8 +162,9 @@ def _serve_router(router_config: dict[str, Any], port: int, once: bool, served: 
         thread.join(timeout=30)
 
 
-def _decoder_hits(decoders: list[str]) -> tuple[float, float]:
-    """(tokens loaded through the connector, tokens found in the engines' own prefix cache), summed."""
+def prefix_hits(decoders: list[str]) -> tuple[float, float]:
+    """(tokens loaded through the connector, tokens found in the engines' own prefix cache), summed over
+    the engines' /metrics; ``coserve up --once`` and the router's real-engine test read it."""
     import httpx
 
     loaded = cached = 0.0
@@ -185,7 +186,7 @@ def _one_conversation(base: str, model: str, decoders: list[str]) -> int:
         {"role": "user", "content": "List the files in the repository."},
     ]
     for turn in (1, 2):
-        loaded, cached = _decoder_hits(decoders)
+        loaded, cached = prefix_hits(decoders)
         started = time.monotonic()
         response = httpx.post(
             f"{base}/chat/completions",
@@ -196,7 +197,7 @@ def _one_conversation(base: str, model: str, decoders: list[str]) -> int:
             print(f"turn {turn}: HTTP {response.status_code}: {response.text[:300]}")
             return 1
         elapsed = time.monotonic() - started
-        now_loaded, now_cached = _decoder_hits(decoders)
+        now_loaded, now_cached = prefix_hits(decoders)
         answer = response.json()
         usage = answer.get("usage") or {}
         print(

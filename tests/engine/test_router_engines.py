@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.local import prefix_hits
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
 from router_served import Served
@@ -31,13 +32,7 @@ CLASSES = [
 
 
 def hits(url: str) -> tuple[float, float]:
-    loaded = cached = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:external_prefix_cache_hits_total"):
-            loaded += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:prefix_cache_hits_total"):
-            cached += float(line.rsplit(" ", 1)[1])
-    return loaded, cached
+    return prefix_hits([url])
 
 
 @pytest.fixture(scope="module")
