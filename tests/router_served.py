@@ -1,13 +1,26 @@
-"""An ASGI app served on a real local port in a thread: the router (and fake engines) in tests."""
+"""Test helpers: an ASGI app on a real local port in a thread, and a fast fake engine.
+
+``FakeEngine`` answers like vLLM's OpenAI server and reports a KV usage on
+/metrics: a test double for the router's HTTP tests (tests/engine has the
+real-engine ones).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
 import threading
 import time
 from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+MODEL = "tiny"
 
 
 def free_port() -> int:
@@ -34,3 +47,43 @@ class Served:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+class FakeEngine:
+    """Answers like vLLM's OpenAI server and reports a KV usage on /metrics."""
+
+    def __init__(self, name: str, kv_usage: float = 0.1) -> None:
+        self.name = name
+        self.kv_usage = kv_usage
+        self.requests: list[dict[str, Any]] = []
+
+        async def complete(request: Request) -> Response:
+            body = await request.json()
+            self.requests.append(body)
+            if body.get("stream"):
+
+                async def chunks() -> Any:
+                    for index in range(3):
+                        yield f"data: {json.dumps({'choices': [{'text': f'{self.name}{index}'}]})}\n\n".encode()
+                        await asyncio.sleep(0.01)
+                    yield b"data: [DONE]\n\n"
+
+                return StreamingResponse(chunks(), media_type="text/event-stream")
+            return JSONResponse(
+                {"choices": [{"text": self.name}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}
+            )
+
+        async def metrics(_: Request) -> Response:
+            return PlainTextResponse(
+                f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\nvllm:num_requests_waiting{{engine="0"}} 0\n'
+            )
+
+        app = Starlette(
+            routes=[
+                Route("/v1/completions", complete, methods=["POST"]),
+                Route("/v1/chat/completions", complete, methods=["POST"]),
+                Route("/metrics", metrics),
+            ]
+        )
+        self.served = Served(app)
+        self.url = self.served.url

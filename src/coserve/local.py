@@ -113,6 +113,7 @@ def run_local_pool(
                 "prefillers": urls["prefiller"],
                 "decoders": urls["decoder"],
                 "priorityClasses": config["priorityClasses"],
+                "batchDir": str(workdir / "batches"),
             }
             (workdir / "router.json").write_text(json.dumps(router_config, indent=2))
             return _serve_router(router_config, port, once, served, urls["decoder"])

