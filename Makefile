@@ -23,9 +23,9 @@ $(TOOLS): $(STAMP) scripts/install_k8s_tools.py
 	$(BIN)/python scripts/install_k8s_tools.py --dest $(BIN)
 	touch $@
 
-## demo: the main job: the sample pool on this machine (plan, engines, router), one conversation through it
+## demo: the main job: the sample pool on this machine (plan, engines, router), then a short coserve bench
 demo: $(STAMP)
-	$(BIN)/coserve up examples/pool.yaml --once --port 0
+	BIN=$(BIN) scripts/demo.sh examples/pool.yaml
 
 ## test: lint, type-check, import contracts and the whole test suite
 test: lint typecheck imports unit

@@ -8,6 +8,7 @@ start one after another and idle while another computes (about 90 s).
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from coserve.cli.main import main
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.local import prefix_hits
 from coserve.router.app import build_app
@@ -86,6 +88,23 @@ def chat(base: str, messages: list[dict[str, str]]) -> dict[str, Any]:
     response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return dict(response.json())
+
+
+def test_coserve_bench_replays_agentic_conversations_through_the_pool(
+    local_pool: dict[str, Any], tmp_path: Path
+) -> None:
+    decoders = list(local_pool["decoders"])
+    loaded, cached = prefix_hits(decoders)
+    argv = ["bench", "--url", local_pool["router"], "--output", str(tmp_path), "--conversations", "2", "--turns", "2",
+            "--first", "300", "--appended", "16", "--answer", "4", "--gap", "0.1", "--rate", "4"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert (report["requests"], report["errors"]) == (4, 0)
+    assert all(r["output_tokens"] == 4 for r in report["records"])
+    assert report["ttfet_s"]["p50"] > 0
+    now_loaded, now_cached = prefix_hits(decoders)
+    assert now_loaded - loaded >= 2 * 2 * 128  # turn 1s' KV came from the prefiller (2 full blocks each)
+    assert now_cached - cached >= 2 * 2 * 128  # turn 2s found it in their decoder's cache
 
 
 def test_a_conversation_is_prefilled_once_pinned_and_re_placed_when_its_decoder_dies(

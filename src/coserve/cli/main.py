@@ -4,6 +4,9 @@
     coserve render FILE [-o yaml|json] [--profile FILE]
     coserve crd [-o yaml|json]
     coserve profile [--model PATH | --tiny-layers N] [--out FILE] [--max-model-len N] [--repeats N] [--quick]
+    coserve up FILE [--prefillers N] [--decoders N] [--port N] [--once]
+    coserve router --config FILE
+    coserve bench --url URL [--workload agentic|mooncake|azure] [...]
 
 Exit codes: 0 success, 2 invalid input or usage (one ``FILE: path: reason`` line
 per problem on stderr), 1 an internal error (one line, no traceback unless
@@ -32,6 +35,7 @@ from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import CoServePool
 from coserve.api.status import Plan
+from coserve.cli.bench import add_bench_command
 from coserve.cli.manifest import load_pool, load_profile, read_file
 from coserve.provisioning import plan_for
 
@@ -120,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_operator_command(commands)
     _add_router_command(commands)
     _add_up_command(commands)
+    add_bench_command(commands)
     return parser
 
 

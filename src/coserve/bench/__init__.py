@@ -1,0 +1,1 @@
+"""Load generation against OpenAI endpoints: workloads (pure) and their replay (``coserve bench``)."""
