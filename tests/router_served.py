@@ -52,9 +52,10 @@ class Served:
 class FakeEngine:
     """Answers like vLLM's OpenAI server and reports a KV usage on /metrics."""
 
-    def __init__(self, name: str, kv_usage: float = 0.1) -> None:
+    def __init__(self, name: str, kv_usage: float = 0.1, waiting: int = 0) -> None:
         self.name = name
         self.kv_usage = kv_usage
+        self.waiting = waiting
         self.requests: list[dict[str, Any]] = []
 
         async def complete(request: Request) -> Response:
@@ -75,7 +76,8 @@ class FakeEngine:
 
         async def metrics(_: Request) -> Response:
             return PlainTextResponse(
-                f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\nvllm:num_requests_waiting{{engine="0"}} 0\n'
+                f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\n'
+                f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
             )
 
         app = Starlette(

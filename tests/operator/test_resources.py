@@ -266,6 +266,8 @@ def test_config_map_holds_engine_and_router_config() -> None:
         "enginePort": 8000,
         "priorityClasses": engine["priorityClasses"],
         "offline": engine["offline"],
+        "batchDir": "/var/lib/coserve/batches",
+        "prefillLatency": engine["prefillLatency"],  # the router avoids prefillers that would miss a TTFT SLO
     }
 
 
@@ -570,6 +572,15 @@ def test_router_runs_coserve_router_with_restricted_security() -> None:
     }
     assert {"name": "config", "configMap": {"name": "chat-config"}} in pod["volumes"]
     assert {"name": "config", "mountPath": "/etc/coserve", "readOnly": True} in router["volumeMounts"]
+    assert {"name": "batches", "mountPath": "/var/lib/coserve/batches"} in router["volumeMounts"]
+    assert {"name": "batches", "emptyDir": {}} in pod["volumes"]  # no claim: batches live as long as the pod
+
+
+def test_offline_batches_live_on_the_named_claim() -> None:
+    children = render(make_pool(router={"batchVolumeClaim": "chat-batches"}))
+    pod = next(c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == "chat-router")
+    volumes = pod["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "batches", "persistentVolumeClaim": {"claimName": "chat-batches"}} in volumes
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from coserve.router.policy import (
     choose_decoder,
     choose_gain_oriented,
     conversation_id,
+    prefill_deadlines,
     resolve_class,
 )
 from coserve.scheduling.config import DEFAULT_CLASSES
@@ -121,3 +122,31 @@ def test_pins_expire_when_idle_and_the_table_is_bounded() -> None:
     assert pins.drop_decoder("d2") == 1 and len(pins) == 0
     with pytest.raises(ValueError):
         PinTable(ttl_s=0)
+
+
+def test_ended_conversations_are_reported_once_with_their_span() -> None:
+    pins = PinTable(ttl_s=10)
+    pins.pin("a", "d1", now_s=0)
+    pins.get("a", now_s=8)  # turn 2
+    pins.pin("b", "d1", now_s=9)
+    assert pins.get("b", now_s=20) is None  # b expired on lookup
+    ended = pins.expire(now_s=20)  # ... and a expires now
+    assert sorted((p.first_arrival_s, p.last_used_s) for p in ended) == [(0, 8), (9, 9)]
+    assert pins.expire(now_s=21) == []
+
+
+@pytest.mark.parametrize(
+    ("waiting", "tokens", "slo_s", "meets"),
+    [
+        (0, 1000, 1.0, True),  # 0.01 + 0.1 = 0.11 s
+        (8, 1000, 1.0, True),  # 9 x 0.11 = 0.99 s
+        (9, 1000, 1.0, False),  # 10 x 0.11 = 1.1 s
+        (0, 10_000, 1.0, False),  # one long prompt alone misses it
+    ],
+)
+def test_prefill_deadlines_cost_the_queue_at_this_prompts_latency(
+    waiting: int, tokens: int, slo_s: float, meets: bool
+) -> None:
+    prefiller = EngineLoad("p", waiting=waiting)
+    assert prefill_deadlines([prefiller], tokens, slo_s, (0.01, 1e-4, 0.0)) == {"p": meets}
+    assert prefill_deadlines([prefiller], tokens, slo_s, None) == {}  # no profile: no estimate

@@ -421,6 +421,15 @@ class RouterSpec(ApiModel):
         ),
         description="resources of the router container.",
     )
+    batch_volume_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="batchVolumeClaim names a PersistentVolumeClaim (ReadWriteMany when replicas > 1) that "
+        "holds offline batches (/v1/files, /v1/batches), so accepted batches survive the router's pods. "
+        "Unset: an emptyDir per pod, which survives container restarts but not the pod.",
+    )
 
 
 class SpecModel(ApiModel):

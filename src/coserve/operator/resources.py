@@ -105,6 +105,7 @@ CONFIG_VOLUME = "config"
 CONFIG_MOUNT_PATH = "/etc/coserve"
 ENGINE_CONFIG_KEY = "engine.json"
 ROUTER_CONFIG_KEY = "router.json"
+ROUTER_BATCH_PATH = "/var/lib/coserve/batches"
 ENGINE_CONFIG_PATH = f"{CONFIG_MOUNT_PATH}/{ENGINE_CONFIG_KEY}"
 ROUTER_CONFIG_PATH = f"{CONFIG_MOUNT_PATH}/{ROUTER_CONFIG_KEY}"
 
@@ -256,6 +257,8 @@ def router_config(pool: CoServePool) -> dict[str, Any]:
         "enginePort": ENGINE_PORT,
         "priorityClasses": [cls.to_wire() for cls in spec.priority_classes],
         "offline": spec.offline.to_wire(),
+        "batchDir": ROUTER_BATCH_PATH,
+        **({"prefillLatency": spec.profile.prefill_latency.to_wire()} if spec.profile.prefill_latency else {}),
     }
 
 
@@ -515,8 +518,18 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
             "capabilities": {"drop": ["ALL"]},
         },
         # A read-only root still needs somewhere for Python's temporary files.
-        "volumeMounts": [_config_mount(), {"name": "tmp", "mountPath": "/tmp"}],  # noqa: S108 (a path in the pod)
+        "volumeMounts": [
+            _config_mount(),
+            {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (a path in the pod)
+            {"name": "batches", "mountPath": ROUTER_BATCH_PATH},
+        ],
     }
+    # Offline batches outlive a router pod only on a claim; an emptyDir still survives container restarts.
+    batches: Manifest = (
+        {"name": "batches", "persistentVolumeClaim": {"claimName": router.batch_volume_claim}}
+        if router.batch_volume_claim
+        else {"name": "batches", "emptyDir": {}}
+    )
     pod_spec = {
         "securityContext": {
             "runAsNonRoot": True,
@@ -524,7 +537,7 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [_config_volume(pool), {"name": "tmp", "emptyDir": {}}],
+        "volumes": [_config_volume(pool), {"name": "tmp", "emptyDir": {}}, batches],
     }
     return _deployment(pool, "router", router.replicas, {CONFIG_HASH_ANNOTATION: digest}, pod_spec)
 

@@ -47,7 +47,14 @@ from starlette.routing import Route
 
 from coserve.router.batches import ENDPOINTS, BatchRunner, BatchStore, public
 from coserve.router.config import RouterConfig
-from coserve.router.policy import EngineLoad, PinTable, choose_decoder, choose_gain_oriented, conversation_id
+from coserve.router.policy import (
+    EngineLoad,
+    PinTable,
+    choose_decoder,
+    choose_gain_oriented,
+    conversation_id,
+    prefill_deadlines,
+)
 from coserve.router.policy import resolve_class as class_for
 from coserve.scheduling.requests import InvalidRequestClass
 
@@ -120,6 +127,27 @@ class _Metrics:
         self.prefill_failures = Counter(
             "coserve_router_prefill_failures", "Prefills that failed; the decoder computed the prompt.", registry=r
         )
+        # What the autoscaler reads (the provisioning model's R, L_in, L_d, W and the prefillers' load):
+        # R = rate(conversations_total); L_in from conversation_input_tokens; L_d = rate(output_tokens_total)
+        # / R; W from conversation_lifetime_seconds; prefiller input tokens/s = rate(prefill_tokens_total).
+        self.input_tokens = Histogram(
+            "coserve_router_conversation_input_tokens",
+            "Turn-1 prompt tokens of new conversations (L_in; the prefiller's count when it answered).",
+            registry=r,
+            buckets=(64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
+        )
+        self.lifetime = Histogram(
+            "coserve_router_conversation_lifetime_seconds",
+            "From a conversation's first turn to its last, observed when its pin expires (W).",
+            registry=r,
+            buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200),
+        )
+        self.prefill_tokens = Counter(
+            "coserve_router_prefill_tokens", "Prompt tokens sent to each prefiller.", ["prefiller"], registry=r
+        )
+        self.active = Gauge(
+            "coserve_router_active_conversations", "Conversations pinned to a decoder (all decoders).", registry=r
+        )
 
 
 class Router:
@@ -184,7 +212,9 @@ class Router:
                 await self._resolve(service, engines)
         everyone = [*self.prefillers.values(), *self.decoders.values()]
         await asyncio.gather(*(self._poll(engine) for engine in everyone))
-        self.pins.expire(self.clock())
+        for ended in self.pins.expire(self.clock()):
+            self.metrics.lifetime.observe(ended.last_used_s - ended.first_arrival_s)
+        self.metrics.active.set(len(self.pins))
         for url, count in self.pins.per_decoder().items():
             self.metrics.pinned.labels(url).set(count)
         for url, engine in self.prefillers.items():
@@ -197,7 +227,12 @@ class Router:
         except OSError as error:
             logger.warning("cannot resolve %s: %s", service, error)
             return
-        urls = {f"http://{info[4][0]}:{self.config.engine_port}" for info in infos}
+        hosts = {str(info[4][0]) for info in infos}
+        urls = {
+            f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
+            for h in hosts
+            for port in [self.config.engine_port]
+        }
         for url in urls - set(engines):
             engines[url] = EngineLoad(url)
         for url in set(engines) - urls:
@@ -348,7 +383,7 @@ class Router:
                     return error_response(
                         503, "no decoder can take a new conversation now (all full or down); retry shortly"
                     )
-                body = await self._prefill(path, body)
+                body = await self._prefill(path, body, slo_s)
                 pin = self.pins.pin(conversation, decoder.url, now)
             else:
                 self.metrics.turns.inc()
@@ -381,27 +416,38 @@ class Router:
                 tried.add(decoder.url)
         return error_response(503, "no decoder can take the request now (all full or down); retry shortly")
 
-    async def _prefill(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill(self, path: str, body: dict[str, Any], slo_s: float) -> dict[str, Any]:
         """Turn 1 on a prefiller: its KV goes to the decoder (handoff); on failure the decoder computes it."""
-        prefiller = choose_gain_oriented(list(self.prefillers.values()), {})
+        tokens = _estimate_tokens(body)
+        candidates = list(self.prefillers.values())
+        deadlines = prefill_deadlines(candidates, tokens, slo_s, self.config.prefill_latency)
+        prefiller = choose_gain_oriented(candidates, deadlines)
         if prefiller is None:
+            self.metrics.input_tokens.observe(tokens)
             return body
         prefill = {**body, "stream": False, "max_tokens": 1}
         if self.config.kv_transfer_params:
             prefill["kv_transfer_params"] = {"do_remote_decode": True}
         prefill.pop("max_completion_tokens", None)
         prefill.pop("stream_options", None)
-        prefiller.admitted_tokens += _estimate_tokens(body)
+        prefiller.admitted_tokens += tokens
         try:
             async with self.session.post(f"{prefiller.url}{path}", json=prefill) as response:
                 response.raise_for_status()
-                params = (await response.json(content_type=None)).get("kv_transfer_params")
+                answer = await response.json(content_type=None)
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             logger.warning("prefill on %s failed (%s): the decoder computes the prompt", prefiller.url, error)
             self.metrics.prefill_failures.inc()
+            self.metrics.input_tokens.observe(tokens)
             if isinstance(error, aiohttp.ClientConnectionError):
                 prefiller.healthy = False
             return body
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        tokens = counted if isinstance(counted, int) else tokens
+        self.metrics.input_tokens.observe(tokens)
+        self.metrics.prefill_tokens.labels(prefiller.url).inc(tokens)
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         return {**body, "kv_transfer_params": params} if params else body
 
     async def _forward(
@@ -434,8 +480,10 @@ class Router:
         self, response: aiohttp.ClientResponse, cls: str, slo_s: float, arrived: float, first_arrival: float
     ) -> AsyncIterator[bytes]:
         last: float | None = None
+        events = 0  # SSE data events: about one per output token (vLLM streams each token step)
         try:
             async for chunk in response.content.iter_any():
+                events += chunk.count(b"data: ")
                 now = self.clock()
                 if last is None:
                     self._observe(cls, slo_s, arrived, first_arrival)
@@ -449,6 +497,7 @@ class Router:
             yield f"data: {message}\n\n".encode()
         finally:
             response.release()
+            self.metrics.output_tokens.inc(max(0, events - 1))  # less the closing [DONE]
 
     def _observe(self, cls: str, slo_s: float, arrived: float, first_arrival: float) -> None:
         now = self.clock()

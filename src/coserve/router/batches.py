@@ -10,6 +10,11 @@ router that restarts resumes every accepted batch where it stopped, at most
 repeating the request in flight (its output line is written once: lines
 already in the output are skipped on resume).
 
+Several router replicas may share ``batchDir`` (a ReadWriteMany claim in
+Kubernetes): each batch is run by one of them at a time, the holder of its
+lease file ``batches/<id>.lease``, renewed on every step and taken over when
+older than ``lease_s`` (its holder died). Any replica answers reads.
+
 The runner sends each line through the router's own placement at the lowest
 (offline) class, at most ``concurrency`` at a time, and only while every decoder
 is below ``spare`` KV occupancy, so online traffic keeps the capacity it needs.
@@ -22,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -132,8 +138,11 @@ class BatchRunner:
         has_spare_capacity: Callable[[], bool],
         concurrency: int = 2,
         idle_s: float = 0.2,
+        lease_s: float = 30.0,
     ) -> None:
         self.store = store
+        self.owner = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self.lease_s = lease_s
         self.send = send
         self.has_spare_capacity = has_spare_capacity
         self.concurrency = concurrency
@@ -144,17 +153,26 @@ class BatchRunner:
         self._task = asyncio.create_task(self._forever())
 
     async def stop(self) -> None:
+        """Stop running and release this runner's leases, so another replica takes its batches over at once."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self.release()
+
+    def release(self) -> None:
+        for lease in self.store.batches.glob("*.lease"):
+            with contextlib.suppress(FileNotFoundError):
+                if lease.read_text() == self.owner:
+                    lease.unlink()
 
     async def _forever(self) -> None:
         while True:
             try:
                 worked = False
                 for batch in self.store.running():
-                    worked = await self._advance(batch) or worked
+                    if self.claim(batch["id"]):
+                        worked = await self._advance(batch) or worked
                 if not worked:
                     await asyncio.sleep(self.idle_s)
             except asyncio.CancelledError:
@@ -162,6 +180,23 @@ class BatchRunner:
             except Exception:  # the runner must outlive one bad batch
                 logger.exception("batch runner step failed")
                 await asyncio.sleep(1.0)
+
+    def claim(self, batch_id: str) -> bool:
+        """Hold (or renew, or take over a stale) lease on ``batch_id``; ``False``: another replica runs it."""
+        lease = self.store.batches / f"{batch_id}.lease"
+        try:
+            holder, age = lease.read_text(), time.time() - lease.stat().st_mtime
+        except FileNotFoundError:
+            holder, age = "", float("inf")
+        if holder == self.owner:
+            os.utime(lease)
+            return True
+        if age < self.lease_s:
+            return False
+        partial = lease.with_name(f"{lease.name}.{uuid.uuid4().hex[:8]}")
+        partial.write_text(self.owner)
+        os.replace(partial, lease)
+        return lease.read_text() == self.owner  # of two replicas taking over at once, the last writer runs it
 
     async def _advance(self, batch: dict[str, Any]) -> bool:
         """Run up to ``concurrency`` lines of ``batch``; ``False`` when it waited for capacity or finished."""

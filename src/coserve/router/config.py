@@ -11,7 +11,10 @@
      "decoderFull": 0.9, "pollS": 1.0, "upstreamTimeoutS": 600,
      "kvTransferParams": false,                       # true: vLLM's P/D transfer parameters (NixlConnector)
      "placement": "conversation",                     # "turn" / "request": baselines (see RouterConfig)
-     "batchDir": "/var/lib/coserve/batches"}          # offline batches persist here (absent: no batch API)
+     "batchDir": "/var/lib/coserve/batches",          # offline batches persist here (absent: no batch API)
+     "prefillLatency": {"constantS": 0.01, "perTokenS": 1e-4, "perTokenSquaredS": 0}}
+                                                      # the engine profile's prefill cost: prefillers that
+                                                      # cannot meet a request's TTFT SLO are avoided
 
 Who calls it: ``coserve router --config FILE`` at start-up. Errors raise
 ``InvalidInput`` with one ``field: reason`` problem each.
@@ -55,6 +58,8 @@ class RouterConfig:
     placement: str = "conversation"
     # offline batches (/v1/files, /v1/batches) are kept here; None: the batch API is off
     batch_dir: str | None = None
+    # (constant s, s per token, s per token squared) of one prefill; None: no deadline estimates
+    prefill_latency: tuple[float, float, float] | None = None
 
 
 def parse_router_config(data: Mapping[str, Any]) -> RouterConfig:
@@ -95,6 +100,17 @@ def parse_router_config(data: Mapping[str, Any]) -> RouterConfig:
     anonymous = data.get("anonymousClass")
     if anonymous is not None and anonymous not in classes.names:
         problems.append(Problem("anonymousClass", f"unknown class {anonymous!r}"))
+    latency = data.get("prefillLatency")
+    prefill_latency: tuple[float, float, float] | None = None
+    if latency is not None:
+        terms = [latency.get(k, 0.0) if isinstance(latency, Mapping) else None
+                 for k in ("constantS", "perTokenS", "perTokenSquaredS")]  # fmt: skip
+        if all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0 for t in terms):
+            prefill_latency = (float(terms[0]), float(terms[1]), float(terms[2]))  # type: ignore[arg-type]
+        else:
+            problems.append(
+                Problem("prefillLatency", "must map constantS, perTokenS, perTokenSquaredS to numbers >= 0")
+            )
     config = RouterConfig(
         model=model,
         classes=classes,
@@ -114,6 +130,7 @@ def parse_router_config(data: Mapping[str, Any]) -> RouterConfig:
         kv_transfer_params=bool(data.get("kvTransferParams", False)),
         placement=str(data.get("placement", "conversation")),
         batch_dir=data.get("batchDir") or None,
+        prefill_latency=prefill_latency,
     )
     if config.placement not in ("conversation", "turn", "request"):
         problems.append(Problem("placement", f"must be conversation, turn or request, got {config.placement!r}"))

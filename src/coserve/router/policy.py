@@ -23,7 +23,10 @@ Rules:
   candidate below ``light`` load is taken at once (the least loaded of them);
   when every candidate is above ``heavy``, the least loaded; in between, the
   busiest candidate that still meets the request's deadline, which keeps the
-  lighter ones free for long or high-class work that arrives next.
+  lighter ones free for long or high-class work that arrives next. For
+  prefillers, "meets the deadline" is ``prefill_deadlines``: the requests
+  waiting there plus this one, each costed at this prompt's prefill latency,
+  finish within the class's TTFT SLO.
 - A request's class is the one it asks for (``vllm_xargs.coserve_class`` or
   ``priority``) capped at its tenant's class: no client raises its own priority.
 """
@@ -46,6 +49,7 @@ __all__ = [
     "choose_decoder",
     "choose_gain_oriented",
     "conversation_id",
+    "prefill_deadlines",
     "resolve_class",
 ]
 
@@ -139,6 +143,19 @@ def choose_gain_oriented(
     return min(healthy, key=lambda c: (c.occupancy(), c.waiting, c.url))
 
 
+def prefill_deadlines(
+    prefillers: Sequence[EngineLoad], prompt_tokens: int, ttft_slo_s: float,
+    latency: tuple[float, float, float] | None,
+) -> dict[str, bool]:  # fmt: skip
+    """Whether each prefiller would finish this prompt within ``ttft_slo_s`` (module rules); ``latency`` is
+    (constant s, s per token, s per token squared) of one prefill; ``None``: no estimate, every one meets it."""
+    if latency is None:
+        return {}
+    constant, linear, quadratic = latency
+    one = constant + linear * prompt_tokens + quadratic * prompt_tokens**2
+    return {p.url: (p.waiting + 1) * one <= ttft_slo_s for p in prefillers}
+
+
 @dataclass
 class Pin:
     decoder: str
@@ -156,6 +173,7 @@ class PinTable:
         self.ttl_s = ttl_s
         self.max_pins = max_pins
         self._pins: OrderedDict[str, Pin] = OrderedDict()
+        self._ended: list[Pin] = []  # expired on lookup, reported by the next expire()
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -165,7 +183,7 @@ class PinTable:
         if pin is None:
             return None
         if now_s - pin.last_used_s > self.ttl_s:
-            del self._pins[conversation]
+            self._ended.append(self._pins.pop(conversation))
             return None
         pin.last_used_s = now_s
         self._pins.move_to_end(conversation)
@@ -187,11 +205,11 @@ class PinTable:
             del self._pins[conversation]
         return len(gone)
 
-    def expire(self, now_s: float) -> int:
+    def expire(self, now_s: float) -> list[Pin]:
+        """Forget conversations idle for longer than the TTL (they ended); their pins."""
         expired = [c for c, p in self._pins.items() if now_s - p.last_used_s > self.ttl_s]
-        for conversation in expired:
-            del self._pins[conversation]
-        return len(expired)
+        ended, self._ended = self._ended, []
+        return ended + [self._pins.pop(conversation) for conversation in expired]
 
     def per_decoder(self) -> dict[str, int]:
         counts: dict[str, int] = {}

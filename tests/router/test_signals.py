@@ -1,0 +1,101 @@
+"""The router's discovery, prefiller deadlines and the workload signals the autoscaler reads, over real HTTP
+in front of fast fake engines (test doubles for vLLM's OpenAI server, as in test_app.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from coserve.router.app import build_app
+from coserve.router.config import parse_router_config
+from router_served import MODEL, FakeEngine, Served
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def completion(base: str, prompt: str, conversation: str, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **extra}
+    return httpx.post(f"{base}/v1/completions", json=body, headers={"x-conversation-id": conversation}, timeout=10)
+
+
+def test_decoders_are_found_through_a_service_name_in_dns() -> None:
+    # Kubernetes resolves a headless Service to its ready pods' IPs; "localhost" is the same lookup here.
+    decoder = FakeEngine("d")
+    config = {"model": MODEL, "decoderService": "localhost", "enginePort": decoder.served.port, "pollS": 0.05}
+    router = Served(build_app(parse_router_config(config)))
+    try:
+        state = router.server.config.app.state.router  # type: ignore[attr-defined]
+        assert f"http://127.0.0.1:{decoder.served.port}" in state.decoders
+        assert all(url.startswith(("http://127.", "http://[")) for url in state.decoders)  # IPv6 in brackets
+        answer = completion(router.url, "hello", "c1")
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "d"
+    finally:
+        router.stop()
+        decoder.served.stop()
+
+
+def test_a_service_that_does_not_resolve_keeps_the_last_known_engines() -> None:
+    decoder = FakeEngine("d")
+    config = {"model": MODEL, "decoders": [decoder.url], "decoderService": "no-such-service.invalid", "pollS": 0.05}
+    router = Served(build_app(parse_router_config(config)))
+    try:
+        time.sleep(0.2)  # a few failed lookups
+        assert completion(router.url, "hello", "c1").status_code == 200
+    finally:
+        router.stop()
+        decoder.served.stop()
+
+
+def test_a_prefiller_that_would_miss_the_ttft_slo_is_avoided() -> None:
+    # Both prefillers are in GoRouting's middle band; the busier one is preferred while it meets the
+    # deadline, and avoided once its queue (101 prompts of 1000 tokens x 0.11 s) would miss the 10 s SLO.
+    calm, queued = FakeEngine("calm", kv_usage=0.6), FakeEngine("queued", kv_usage=0.7, waiting=100)
+    decoder = FakeEngine("d")
+    base = {"model": MODEL, "prefillers": [calm.url, queued.url], "decoders": [decoder.url], "pollS": 0.05,
+            "priorityClasses": [{"name": "standard", "weight": 1, "ttftSloMs": 10000, "tpotSloMs": 1000}]}  # fmt: skip
+    try:
+        for latency, chosen in ((None, queued), ({"constantS": 0.01, "perTokenS": 1e-4}, calm)):
+            config = {**base, **({"prefillLatency": latency} if latency else {})}
+            router = Served(build_app(parse_router_config(config)))
+            try:
+                time.sleep(0.1)  # a poll has read the queues
+                assert completion(router.url, "x" * 4000, f"c-{latency is None}").status_code == 200
+            finally:
+                router.stop()
+            assert len(chosen.requests) == 1, f"expected {chosen.name} (latency {latency})"
+    finally:
+        for engine in (calm, queued, decoder):
+            engine.served.stop()
+
+
+def test_the_workload_signals_the_autoscaler_reads() -> None:
+    prefiller, decoder = FakeEngine("p"), FakeEngine("d")
+    config = {"model": MODEL, "prefillers": [prefiller.url], "decoders": [decoder.url], "pollS": 0.05, "pinTtlS": 1}
+    router = Served(build_app(parse_router_config(config)))
+    try:
+        for conversation in ("a", "b"):
+            assert completion(router.url, "x" * 400, conversation).status_code == 200  # turn 1
+        assert completion(router.url, "x" * 500, "a", stream=True).status_code == 200  # a's turn 2, streamed
+        url = router.url
+        assert metric(url, "coserve_router_conversations_total") == 2.0  # R = rate() of this
+        assert metric(url, "coserve_router_conversation_input_tokens_count") == 2.0
+        assert metric(url, "coserve_router_conversation_input_tokens_sum") == 10.0  # the prefiller's usage: 5 each
+        assert metric(url, "coserve_router_prefill_tokens_total") == 10.0
+        assert metric(url, "coserve_router_active_conversations") == 2.0
+        # L_d: 1 token in each non-streamed answer (usage) and 3 streamed chunks
+        assert metric(url, "coserve_router_output_tokens_total") == 5.0
+        time.sleep(1.3)  # idle past the pin TTL: both conversations end
+        assert metric(url, "coserve_router_conversation_lifetime_seconds_count") == 2.0
+        assert metric(url, "coserve_router_active_conversations") == 0.0
+        assert 0.0 < metric(url, "coserve_router_conversation_lifetime_seconds_sum") < 1.0  # W: a's two turns
+    finally:
+        router.stop()
+        prefiller.served.stop()
+        decoder.served.stop()
