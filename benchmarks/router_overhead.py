@@ -6,6 +6,12 @@ router is measured), ``coserve router`` in front of it (one decoder, no
 prefiller), and this load generator (aiohttp). Each request is a new
 conversation, so every one is placed and pinned.
 
+By default the router runs on its own core and the load generator and upstream
+share the other, in both arms: in a cluster the router's pod has its own CPU,
+and on 2 cores three busy processes otherwise measure the machine's scheduler
+(a request crosses four process wake-ups through the router, two directly).
+``--shared-cores`` lets all three share both cores.
+
 - Latency: an open-loop Poisson stream at ``--rate`` (500/s) for ``--seconds``,
   sent directly to the upstream (the baseline) and through the router, in the
   same run; added latency = router minus direct, at p50 and p99.
@@ -146,8 +152,16 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=500.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="let the three processes share every core (default: the router on its own core)",
+    )
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = not args.shared_cores and len(cores) >= 2
+    client_cores, router_cores = ({cores[0]}, set(cores[1:])) if pinned else (set(cores), set(cores))
     if args.serve_upstream:
         import uvicorn
 
@@ -159,7 +173,10 @@ def main() -> int:
     config = workdir / "router.json"
     config.write_text(json.dumps({"model": "tiny", "decoders": [upstream], "pollS": 1.0}))
     processes = [
-        subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up_port)]),  # noqa: S603
+        subprocess.Popen(  # noqa: S603 - this script
+            [sys.executable, __file__, "--serve-upstream", str(up_port)],
+            preexec_fn=lambda: os.sched_setaffinity(0, client_cores),
+        ),
         subprocess.Popen(  # noqa: S603 - our own CLI
             [
                 str(Path(sys.executable).with_name("coserve")),
@@ -174,8 +191,10 @@ def main() -> int:
                 "warning",
             ],
             env={**os.environ},
+            preexec_fn=lambda: os.sched_setaffinity(0, router_cores),
         ),
     ]
+    os.sched_setaffinity(0, client_cores)
     try:
         measured = asyncio.run(measure(args, upstream, router))
     finally:
@@ -214,7 +233,15 @@ def main() -> int:
                 "rate_per_s": args.rate,
                 "seconds": args.seconds,
                 "concurrency": args.concurrency,
-                "machine": "2 cores, loopback; upstream, router and load generator share them",
+                "machine": (
+                    f"{len(cores)} cores, loopback; "
+                    + (
+                        f"the router on core(s) {sorted(router_cores)}, the load generator and the upstream on "
+                        f"core {sorted(client_cores)} in both arms (as the router's own pod would have its CPU)"
+                        if pinned
+                        else "upstream, router and load generator share them"
+                    )
+                ),
             },
         },
     )

@@ -34,9 +34,9 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -58,7 +58,7 @@ from coserve.router.policy import (
 from coserve.router.policy import resolve_class as class_for
 from coserve.scheduling.requests import InvalidRequestClass
 
-__all__ = ["Router", "build_app", "error_response"]
+__all__ = ["Router", "RouterApp", "build_app", "error_response"]
 
 logger = logging.getLogger("coserve.router")
 
@@ -258,20 +258,20 @@ class Router:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
+    async def handle(self, request: _Body, endpoint: str) -> Response:
         arrived = self.clock()
         response = await self._handle(request, endpoint, arrived)
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         return response
 
-    async def _handle(self, request: Request, endpoint: str, arrived: float) -> Response:
+    async def _handle(self, request: _Body, endpoint: str, arrived: float) -> Response:
         body, problem = await self._read_json(request)
         if body is None:
             return problem or error_response(400, "no body")
         checked = self._check(body, endpoint)
         if checked is not None:
             return checked
-        token = request.headers.get("authorization", "")
+        token = request.headers.get("authorization") or ""
         key = token[7:].strip() if token.lower().startswith("bearer ") else None
         tenant = self.config.tenants.get(key) if key else None
         if tenant is None:
@@ -292,7 +292,7 @@ class Router:
         body.pop("priority", None)
         body.pop("conversation_id", None)
         body["vllm_xargs"] = {**xargs, "coserve_class": cls.name}
-        conversation = conversation_id({k.lower(): v for k, v in request.headers.items()}, body)
+        conversation = conversation_id(request.headers, body)
         return await self._route(endpoint, body, conversation, cls.name, cls.ttft_slo_s, arrived)
 
     def has_spare_capacity(self, spare: float = 0.5) -> bool:
@@ -313,7 +313,7 @@ class Router:
         response = await self._route(endpoint, body, conversation_id({}, body), lowest.name, lowest.ttft_slo_s, arrived)
         return response.status_code, bytes(response.body)
 
-    async def _read_json(self, request: Request) -> tuple[dict[str, Any] | None, Response | None]:
+    async def _read_json(self, request: _Body) -> tuple[dict[str, Any] | None, Response | None]:
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -514,6 +514,33 @@ class Router:
         self.metrics.output_tokens.inc(usage.get("completion_tokens") or 0)
 
 
+class _Body(Protocol):
+    """What the request handlers read: lower-case header lookup and the body's chunks (a Starlette
+    ``Request`` or ``_RawRequest``)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    def stream(self) -> AsyncIterator[bytes]: ...
+
+
+class _RawRequest:
+    """The hot path's request: headers and body straight from the ASGI scope, without Starlette's Request."""
+
+    def __init__(self, scope: Mapping[str, Any], receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
+        self.headers: dict[str, str] = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        self._receive = receive
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                return
+            yield message.get("body", b"")
+            if not message.get("more_body"):
+                return
+
+
 class _Unavailable(RuntimeError):
     """The decoder could not be used, and nothing was sent to the client yet: safe to retry elsewhere."""
 
@@ -528,7 +555,7 @@ def _estimate_tokens(body: Mapping[str, Any]) -> int:
     return sum(len(str(m.get("content", ""))) for m in body.get("messages") or [] if isinstance(m, dict)) // 4
 
 
-def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
+def build_app(config: RouterConfig, router: Router | None = None) -> RouterApp:
     """The ASGI app; ``router`` (tests) or a new one, started and closed with the app."""
     state = router or Router(config)
 
@@ -637,4 +664,32 @@ def build_app(config: RouterConfig, router: Router | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.router = state
-    return app
+    return RouterApp(app, state)
+
+
+_HOT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+class RouterApp:
+    """The ASGI app: the two completion endpoints straight to the router, everything else through Starlette.
+
+    NOTE: Starlette's middleware, routing and Request cost about a fifth of the router's CPU per request
+    (profiled at 500 requests/s), and on 2 shared cores CPU per request is what the p99 latency is made of.
+    """
+
+    def __init__(self, app: Starlette, router: Router) -> None:
+        self.app = app
+        self.state = app.state
+        self.router = router
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        endpoint = _HOT_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            response = await self.router.handle(_RawRequest(scope, receive), endpoint)
+        except Exception:  # what Starlette's error middleware would do: a 500, logged, no traceback to the client
+            logger.exception("unhandled error on %s", scope["path"])
+            response = error_response(500, "internal error in the router; it is logged")
+        await response(scope, receive, send)
