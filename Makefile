@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck imports unit e2e crd clean
+.PHONY: demo test lint typecheck imports unit e2e crd clean prometheus
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,7 +40,14 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
-unit: $(STAMP) $(TOOLS)
+# A real Prometheus for the autoscaler's integration tests: Debian's package (ENVIRONMENT.md), as root or via sudo.
+PROMETHEUS_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	  $$SUDO sh -c '$(PROMETHEUS_INSTALL) || (apt-get update && $(PROMETHEUS_INSTALL))'; }
+
+unit: $(STAMP) $(TOOLS) prometheus
 	$(BIN)/pytest
 	@# e2e needs a cluster (make e2e); without one, at least prove it still imports and collects.
 	$(BIN)/pytest e2e -m e2e --collect-only -q

@@ -11,138 +11,33 @@ the handlers are idempotent, which these tests also exercise.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
 import kmock as kmocklib
 import pytest
 
 kopf = pytest.importorskip("kopf")
 
-from coserve.operator.handlers import PoolReconciler, build_registry  # noqa: E402 - after the importorskip
+from coserve.operator.handlers import PoolReconciler  # noqa: E402 - after the importorskip
 from coserve.operator.kube import ClusterAccess, KubeClient  # noqa: E402
-from pool_builders import sample_pool  # noqa: E402
+from operator_kmock import (  # noqa: E402
+    CHILDREN,
+    MERGE,
+    NS,
+    POOL,
+    POOLS,
+    POOLS_URL,
+    condition,
+    create_pool,
+    declare_resources,
+    events,
+    eventually,
+    exists,
+    running_operator,
+)
 
 pytestmark = pytest.mark.asyncio
-
-NS = "serving"
-POOLS = "coserve.dev/v1alpha1/coservepools"
-POOLS_URL = f"/apis/coserve.dev/v1alpha1/namespaces/{NS}/coservepools"
-ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
-MERGE = {"Content-Type": "application/merge-patch+json"}
-CHILDREN = [
-    ("v1/configmaps", "chat-config"),
-    ("apps/v1/deployments", "chat-prefiller"),
-    ("apps/v1/deployments", "chat-decoder"),
-    ("apps/v1/deployments", "chat-router"),
-    ("v1/services", "chat-router"),
-    ("v1/services", "chat-prefiller"),
-    ("v1/services", "chat-decoder"),
-]
-# the emulator assigns no uid, generation or resourceVersion: the test gives them
-POOL: dict[str, Any] = sample_pool(namespace=NS, uid="uid-chat", generation=1, resourceVersion="1")
-
-
-def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
-    """Discovery for every resource kopf touches (kmock serves only what is declared, verbs included)."""
-
-    def declare(key: str, kind: str, namespaced: bool = True, subresources: frozenset[str] = frozenset()) -> None:
-        kmock.resources[key] = kmocklib.ResourceInfo(
-            kind=kind, singular=kind.lower(), namespaced=namespaced, verbs=ALL_VERBS, subresources=set(subresources)
-        )
-
-    declare(POOLS, "CoServePool", subresources=frozenset({"status"}))
-    declare("apps/v1/deployments", "Deployment", subresources=frozenset({"status", "scale"}))
-    declare("v1/services", "Service", subresources=frozenset({"status"}))
-    declare("v1/configmaps", "ConfigMap")
-    declare("v1/events", "Event")
-    declare("v1/namespaces", "Namespace", namespaced=False)
-    declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
-
-
-async def eventually(predicate: Callable[[], Any], what: str, timeout_s: float = 15.0) -> Any:
-    """Poll the emulator's state until ``predicate`` holds (KeyError: the object is not there yet)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        try:
-            result = predicate()
-            if result:
-                return result
-        except (KeyError, ValueError):
-            pass
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def exists(kmock: kmocklib.KubernetesEmulator, resource: str, name: str) -> bool:
-    try:
-        return not kmock.objects[resource, NS, name].deleted
-    except KeyError:
-        return False
-
-
-def events(kmock: kmocklib.KubernetesEmulator, reason: str) -> list[dict[str, Any]]:
-    """Events the operator posted on the pool with ``reason``."""
-    return [
-        dict(request.data)
-        for request in kmock
-        if str(request.method).upper().endswith("POST")
-        and request.resource is not None
-        and request.resource.plural == "events"
-        and isinstance(request.data, dict)
-        and request.data.get("reason") == reason
-    ]
-
-
-def condition(kmock: kmocklib.KubernetesEmulator, kind: str) -> dict[str, Any]:
-    status = kmock.objects[POOLS, NS, "chat"]["status"]
-    return next(c for c in status["conditions"] if c["type"] == kind)
-
-
-@contextlib.asynccontextmanager
-async def running_operator(kmock: kmocklib.KubernetesEmulator) -> AsyncIterator[httpx.AsyncClient]:
-    """The coserve operator running against the emulator; yields an HTTP client to the same server.
-
-    NOTE: a context manager inside the test, not a fixture: when it stops, kopf cancels every task created
-    after it started, which would include pytest-asyncio's fixture-teardown task.
-    """
-    declare_resources(kmock)
-    server = str(kmock.url).rstrip("/")
-    # scanning=False, as `coserve operator -n NS` runs: no namespace or CRD listing (kmock cannot answer the
-    # namespace list either).
-    registry = build_registry(
-        lambda: ClusterAccess(server=server, verify=False), scanning=False, namespaces=[NS], resync_s=1.0
-    )
-    settings = kopf.OperatorSettings()
-    settings.watching.reconnect_backoff = 0.1
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        kopf.operator(
-            registry=registry, settings=settings, standalone=True, namespaces=[NS], stop_flag=stop, ready_flag=ready
-        )
-    )
-    try:
-        await asyncio.wait_for(ready.wait(), 15)
-        watched = {"coservepools", "deployments", "services", "configmaps"}
-        await eventually(
-            lambda: {r.resource.plural for r in kmock if r.params.get("watch") == "true"} >= watched,
-            "kopf's watch requests",
-        )
-        await asyncio.sleep(0.3)  # the emulator subscribes a watch to changes just after its replay
-        async with httpx.AsyncClient(base_url=server, timeout=10) as client:
-            yield client
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-
-
-async def create_pool(client: httpx.AsyncClient, body: dict[str, Any] | None = None) -> None:
-    response = await client.post(POOLS_URL, json=copy.deepcopy(body or POOL))
-    assert response.status_code in (200, 201), response.text
 
 
 async def test_a_new_pool_gets_its_children_and_an_honest_status(kmock: kmocklib.KubernetesEmulator) -> None:
@@ -221,6 +116,17 @@ async def test_a_child_deleted_or_edited_by_hand_is_put_back(kmock: kmocklib.Kub
             lambda: kmock.objects["apps/v1/deployments", NS, "chat-router"]["spec"]["replicas"] == 2,
             "the router's replica count put back (spec.router.replicas defaults to 2)",
         )
+
+        # autoscaling is off: a decoder scaled by hand goes back to the plan, and the operator says so
+        response = await operator.patch(
+            f"/apis/apps/v1/namespaces/{NS}/deployments/chat-decoder", headers=MERGE, json={"spec": {"replicas": 9}}
+        )
+        assert response.status_code == 200
+        await eventually(
+            lambda: kmock.objects["apps/v1/deployments", NS, "chat-decoder"]["spec"]["replicas"] == 2, "the plan's 2"
+        )
+        reset = await eventually(lambda: events(kmock, "ReplicasReset"), "a ReplicasReset event")
+        assert reset[0]["type"] == "Warning" and "enable spec.autoscaling" in reset[0]["message"]
 
 
 async def test_a_semantically_invalid_pool_creates_nothing_and_says_why(kmock: kmocklib.KubernetesEmulator) -> None:

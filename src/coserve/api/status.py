@@ -15,6 +15,9 @@ from pydantic import Field
 from coserve.api._base import ApiModel
 
 __all__ = [
+    "AutoscalingRecord",
+    "AutoscalingSignals",
+    "AutoscalingStatus",
     "Bottleneck",
     "Condition",
     "ConditionStatus",
@@ -22,6 +25,7 @@ __all__ = [
     "Plan",
     "PlanUtilization",
     "ReplicaStatus",
+    "RoleCounts",
     "RoleReplicas",
     "StatusModel",
 ]
@@ -127,6 +131,67 @@ class ReplicaStatus(ApiModel):
     routers: RoleReplicas = Field(default_factory=RoleReplicas, description="routers replicas.")
 
 
+class AutoscalingSignals(ApiModel):
+    """The signals one evaluation read from Prometheus (absent: no data)."""
+
+    arrival_rate_per_s: float | None = Field(default=None, ge=0, description="arrivalRatePerS is R measured.")
+    input_tokens: float | None = Field(default=None, ge=0, description="inputTokens is L_in measured.")
+    output_tokens: float | None = Field(default=None, ge=0, description="outputTokens is L_d measured.")
+    lifetime_s: float | None = Field(default=None, ge=0, description="lifetimeS is W measured.")
+    prefill_tokens_per_s: float | None = Field(
+        default=None, ge=0, description="prefillTokensPerS is the prompt tokens the prefillers take per second."
+    )
+    prefiller_queue: float | None = Field(
+        default=None, ge=0, description="prefillerQueue is the mean requests waiting per prefiller."
+    )
+    decoder_kv_usage: float | None = Field(
+        default=None, ge=0, description="decoderKvUsage is the mean decoder KV occupancy (0-1)."
+    )
+    decoder_waiting: float | None = Field(
+        default=None, ge=0, description="decoderWaiting is the requests waiting on decoders."
+    )
+
+
+class AutoscalingRecord(ApiModel):
+    """One evaluation's recommendation, kept while the stabilization window needs it."""
+
+    at: float = Field(ge=0, description="at is when, in seconds since the Unix epoch.")
+    prefillers: int = Field(ge=0, description="prefillers recommended.")
+    decoders: int = Field(ge=0, description="decoders recommended.")
+
+
+class RoleCounts(ApiModel):
+    """A replica count per autoscaled role."""
+
+    prefillers: int = Field(ge=0, description="prefillers replicas.")
+    decoders: int = Field(ge=0, description="decoders replicas.")
+
+
+class AutoscalingStatus(ApiModel):
+    """The autoscaler's last evaluation: what it saw, what it chose, and why."""
+
+    last_evaluation_time: str | None = Field(
+        default=None,
+        description="lastEvaluationTime is when signals were last read (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    signals: AutoscalingSignals = Field(default_factory=AutoscalingSignals, description="signals seen.")
+    recommended: RoleCounts | None = Field(
+        default=None, description="recommended replicas before the stabilization rules."
+    )
+    desired: RoleCounts | None = Field(default=None, description="desired replicas the autoscaler set.")
+    reason: str = Field(default="", max_length=4096, description="reason for the decision, for humans.")
+    history: list[AutoscalingRecord] = Field(
+        default_factory=list, max_length=512, description="history of recommendations the window still needs."
+    )
+    kv_high_evaluations: int = Field(
+        default=0, ge=0, description="kvHighEvaluations counts evaluations in a row with KV occupancy high."
+    )
+    prefiller_queue: float | None = Field(
+        default=None, ge=0, description="prefillerQueue at the last evaluation (the guard compares against it)."
+    )
+
+
 class StatusModel(ApiModel):
     """status of a CoServePool, written by the operator."""
 
@@ -145,4 +210,7 @@ class StatusModel(ApiModel):
     )
     decoders: str | None = Field(
         default=None, description='decoders is "desired/ready" decoder replicas, for kubectl get.'
+    )
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None, description="autoscaling is the autoscaler's last evaluation (when enabled)."
     )

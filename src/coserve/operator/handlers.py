@@ -27,6 +27,10 @@ deleted: owner references let the garbage collector remove the children with
 the pool, so no finalizer is added and deleting a pool never waits for the
 operator.
 
+Pools with ``spec.autoscaling.enabled`` are also evaluated by the autoscaler
+(``coserve.operator.autoscaler``) every ``evaluationIntervalS``, under the same
+per-pool lock as reconciles.
+
 Two operator replicas never both act: kopf peering (``--peering NAME``, the
 chart's default) pauses every replica but the one with the highest priority;
 ``--standalone`` turns peering off for a single replica.
@@ -55,6 +59,7 @@ from coserve.api.parse import parse_profile
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import GROUP, KIND, PLURAL, VERSION
+from coserve.operator.autoscaler import Autoscaler
 from coserve.operator.cache import ObjectCache
 from coserve.operator.kube import ClusterAccess, KubeClient, KubeError
 from coserve.operator.metrics import CHILD_CHANGES, POOLS, RECONCILE_SECONDS, RECONCILES
@@ -128,6 +133,18 @@ class PoolReconciler:
             else:
                 RECONCILES.labels("ok" if result.plan_valid else "invalid").inc()
             return result
+
+    def lock_for(self, namespace: str, name: str) -> asyncio.Lock:
+        """The pool's reconcile lock: the autoscaler holds it while it evaluates, so their writes never interleave."""
+        return self._flights.setdefault((namespace, name), _Flight()).lock
+
+    async def read_profile(
+        self, namespace: str, body: Mapping[str, Any]
+    ) -> tuple[EngineProfile | None, Problem | None]:
+        return await self._profile(namespace, body)
+
+    async def post_event(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
+        await self._post_event(namespace, pool, event)
 
     async def _reconcile(self, namespace: str, name: str, attempts: int = 3) -> Reconciliation | None:
         """Read (cache), decide, write; again from the top when a create shows the cache was behind.
@@ -293,6 +310,7 @@ def build_registry(
     namespaces: Sequence[str] | None = None,
     resync_s: float = DEFAULT_RESYNC_S,
     image_tag: str | None = None,
+    autoscale_tick_s: float = 1.0,
 ) -> kopf.OperatorRegistry:
     """Register coserve's handlers; ``access`` says how to reach the API server (called at start-up).
 
@@ -349,13 +367,27 @@ def build_registry(
         state["access"] = cluster
         state["reconciler"] = PoolReconciler(KubeClient(cluster), cache=cache, image_tag=tag)
         state["resync"] = asyncio.create_task(resync_forever())
+        reconciler = state["reconciler"]
+        autoscaler = Autoscaler(
+            reconciler.kube,
+            cache,
+            read_profile=reconciler.read_profile,
+            post_event=reconciler.post_event,
+            lock_for=reconciler.lock_for,
+        )
+        state["autoscaler"] = autoscaler
+        state["autoscaling"] = asyncio.create_task(autoscaler.run_forever(autoscale_tick_s))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        task = state.pop("resync", None)
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for key in ("resync", "autoscaling"):
+            task = state.pop(key, None)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        autoscaler = state.pop("autoscaler", None)
+        if autoscaler is not None:
+            await autoscaler.close()
         reconciler = state.pop("reconciler", None)
         if reconciler is not None:
             await reconciler.kube.close()

@@ -1,13 +1,14 @@
 """The operator's Prometheus metrics (served on ``coserve operator --metrics-port``).
 
-Who updates them: ``coserve.operator.handlers`` after every reconcile.
+Who updates them: ``coserve.operator.handlers`` after every reconcile, ``coserve.operator.autoscaler``
+after every evaluation.
 """
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["CHILD_CHANGES", "POOLS", "RECONCILES", "RECONCILE_SECONDS"]
+__all__ = ["AUTOSCALER_EVALUATIONS", "CHILD_CHANGES", "POOLS", "RECONCILES", "RECONCILE_SECONDS"]
 
 RECONCILES = Counter(
     "coserve_operator_reconciles_total",
@@ -23,3 +24,9 @@ CHILD_CHANGES = Counter(
     "coserve_operator_child_changes_total", "Children created or patched, by verb and kind.", ["verb", "kind"]
 )
 POOLS = Gauge("coserve_operator_pools", "CoServePools the operator currently knows.")
+AUTOSCALER_EVALUATIONS = Counter(
+    "coserve_operator_autoscaler_evaluations_total",
+    "Autoscaler evaluations by outcome: Evaluated, Scaled, or why replicas were held (PrometheusUnreachable, "
+    "QueryFailed, NoData, ProfileUnavailable, WorkloadNotPlannable).",
+    ["outcome"],
+)

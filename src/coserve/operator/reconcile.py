@@ -17,7 +17,10 @@ Rules:
   server or other controllers add are left alone, so the operator never fights
   defaulting. Two reconciles of the same generation and state do nothing.
 - While ``spec.autoscaling.enabled``, the Deployments' replica counts belong to
-  the autoscaler: they are created at the plan's counts and never reset.
+  the autoscaler (``coserve.operator.autoscaler``): they are created at the
+  plan's counts and never reset, and its ``status.autoscaling`` is kept. While
+  it is off they belong to the plan: a replica count changed by hand is reset,
+  with a ReplicasReset Warning event saying why and what to change instead.
 - A child that exists but is not controlled by this pool (no owner reference
   with the pool's uid) is never touched: Degraded=True with reason ChildConflict.
 """
@@ -134,6 +137,15 @@ def reconcile(
         for reason in dict.fromkeys(_verb_reason(a) for a in actions)
     ]
     events += [PoolEvent("Warning", "ChildConflict", message) for message in conflicts]
+    if not autoscaled:
+        # A manual `kubectl scale` is undone, but said so: the plan owns replicas while autoscaling is off.
+        events += [
+            PoolEvent("Warning", "ReplicasReset", f"{a.kind} {a.name} was scaled outside the operator; reset to the "
+                      f"plan's {a.body['spec']['replicas']} replicas (change spec.workload, or enable "
+                      "spec.autoscaling to let replicas follow load)")
+            for a in actions
+            if a.kind == "Deployment" and "spec.replicas" in a.reason.removeprefix("drifted: ").split(", ")
+        ]  # fmt: skip
     if previous.plan is None or (previous.plan.prefillers, previous.plan.decoders) != (plan.prefillers, plan.decoders):
         events.insert(0, PoolEvent("Normal", "Planned", _plan_message(plan)))
     return Reconciliation(tuple(actions), status, tuple(events), True)
@@ -285,6 +297,7 @@ def _status(
         replicas=ReplicaStatus(**replicas),
         prefillers=f"{replicas['prefillers'].desired}/{replicas['prefillers'].ready}",
         decoders=f"{replicas['decoders'].desired}/{replicas['decoders'].ready}",
+        autoscaling=previous.autoscaling if autoscaled else None,
     )
     return status.to_wire()
 

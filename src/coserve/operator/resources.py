@@ -539,7 +539,14 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "containers": [container],
         "volumes": [_config_volume(pool), {"name": "tmp", "emptyDir": {}}, batches],
     }
-    return _deployment(pool, "router", router.replicas, {CONFIG_HASH_ANNOTATION: digest}, pod_spec)
+    annotations = {
+        CONFIG_HASH_ANNOTATION: digest,
+        # the autoscaler's workload signals (R, L_in, L_d, W) are the router's metrics
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(ROUTER_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    return _deployment(pool, "router", router.replicas, annotations, pod_spec)
 
 
 # --- Services ----------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Autoscaling from Prometheus saturation signals: the pure decision (``policy``) and its PromQL (``queries``)."""

@@ -1,0 +1,211 @@
+"""The autoscaler's decision for one pool, as plain data: measured signals in, replica counts and the reason out.
+
+Who calls it: the operator's autoscaler (``coserve.operator.autoscaler``) once
+per pool per ``spec.autoscaling.evaluationIntervalS``, after reading the
+signals from Prometheus; the ``autoscaling`` benchmark drives it through a
+replayed trace. Nothing here does I/O or reads a clock (``now_s`` is an
+argument), so every rule is tested table-driven and by properties.
+
+Rules, in order:
+
+1. **Proactive.** The provisioning model is re-run with the measured workload
+   (R, L_in, L_d, W; any the router has no sample of yet falls back to
+   ``spec.workload``): its prefillers and decoders (with the spec's headroom)
+   are the recommendation. No arrivals at all recommends each role's minimum.
+2. **Reactive guard.** Decoders: when the mean KV occupancy has stayed at or
+   above ``kv_usage_high`` for two evaluations in a row, at least
+   ``current + step`` (a quarter of current, at least one). Prefillers: when
+   the mean queue per prefiller is at or above ``queue_high`` and grew since
+   the last evaluation, at least ``current + 1``. The guard catches what the
+   model misses (a profile slower than measured, a burst inside the rate window).
+3. **Bounds.** Each role within its ``[minReplicas, maxReplicas]``.
+4. **Stability.** Scale up at once. Scale down only to the highest
+   recommendation of the last ``stabilization_window_s`` (so load must stay low
+   for the whole window), and by at most a quarter of current (at least one)
+   per evaluation. Load hovering at a boundary keeps the higher count.
+
+Missing data is never read as low load: the caller holds replicas where they
+are (``hold``) when Prometheus cannot be read or has no arrival rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from coserve.api.problems import InvalidInput
+from coserve.provisioning import plan_for
+
+if TYPE_CHECKING:
+    from coserve.api.profile import EngineProfile
+    from coserve.api.spec import SpecModel
+
+__all__ = ["Decision", "Recommendation", "Replicas", "Signals", "Thresholds", "decide"]
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What Prometheus says of one pool. ``None``: no sample (an empty or NaN result)."""
+
+    arrival_rate_per_s: float | None  # R, new conversations per second
+    input_tokens: float | None = None  # L_in, mean turn-1 prompt tokens
+    output_tokens: float | None = None  # L_d, mean output tokens per conversation
+    lifetime_s: float | None = None  # W, mean conversation lifetime
+    prefill_tokens_per_s: float | None = None  # input tokens the prefillers take per second
+    prefiller_queue: float | None = None  # mean requests waiting per prefiller
+    decoder_kv_usage: float | None = None  # mean vllm:kv_cache_usage_perc over decoders (0..1)
+    decoder_waiting: float | None = None  # requests waiting on decoders, summed
+
+
+@dataclass(frozen=True)
+class Replicas:
+    prefillers: int
+    decoders: int
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One evaluation's raw recommendation, kept for the stabilization window (status carries them)."""
+
+    at_s: float
+    prefillers: int
+    decoders: int
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The guard's and the stability rules' knobs (the spec's values; defaults for tests)."""
+
+    min_replicas: Replicas = field(default_factory=lambda: Replicas(1, 1))
+    max_replicas: Replicas = field(default_factory=lambda: Replicas(8, 32))
+    stabilization_window_s: float = 300.0
+    kv_usage_high: float = 0.85
+    queue_high: float = 4.0
+    down_step_fraction: float = 0.25
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to run now and why; ``history`` and the guard's memory go back into the next call."""
+
+    replicas: Replicas
+    recommended: Replicas  # before the stability rules
+    reasons: tuple[str, ...]
+    history: tuple[Recommendation, ...]
+    kv_high_evaluations: int  # consecutive evaluations with KV occupancy at or above the threshold
+    prefiller_queue: float | None  # this evaluation's, for the next one's "grew" test
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+def _step(current: int, fraction: float) -> int:
+    return max(1, math.ceil(current * fraction))
+
+
+def _proactive(
+    spec: SpecModel, profile: EngineProfile | None, signals: Signals, thresholds: Thresholds
+) -> tuple[Replicas, str]:
+    rate = signals.arrival_rate_per_s or 0.0
+    if rate <= 0:
+        return thresholds.min_replicas, "no conversations arriving: each role's minimum"
+    workload = spec.workload
+    measured = workload.model_copy(
+        update={
+            "arrival_rate_per_s": rate,
+            "input_tokens": max(1, round(signals.input_tokens)) if signals.input_tokens else workload.input_tokens,
+            "output_tokens": max(1, round(signals.output_tokens)) if signals.output_tokens else workload.output_tokens,
+            "lifetime_s": signals.lifetime_s if signals.lifetime_s else workload.lifetime_s,
+        }
+    )
+    plan = plan_for(spec.model_copy(update={"workload": measured}), profile)
+    return Replicas(plan.prefillers, plan.decoders), (
+        f"the model at R={rate:.3g}/s, L_in={measured.input_tokens}, L_d={measured.output_tokens}, "
+        f"W={measured.lifetime_s:.3g}s wants {plan.prefillers} prefillers and {plan.decoders} decoders"
+    )
+
+
+def decide(
+    spec: SpecModel,
+    signals: Signals,
+    current: Replicas,
+    now_s: float,
+    *,
+    profile: EngineProfile | None = None,
+    thresholds: Thresholds | None = None,
+    history: Sequence[Recommendation] = (),
+    kv_high_evaluations: int = 0,
+    last_prefiller_queue: float | None = None,
+) -> Decision:
+    """One evaluation (module rules). ``InvalidInput`` when the model rejects the measured workload (a
+    conversation larger than a decoder's KV cache, say); the caller holds and reports it."""
+    limits = thresholds or Thresholds()
+    recommended, why = _proactive(spec, profile, signals, limits)
+    reasons = [why]
+
+    kv_high = kv_high_evaluations + 1 if (signals.decoder_kv_usage or 0.0) >= limits.kv_usage_high else 0
+    if kv_high >= 2 and recommended.decoders < current.decoders + _step(current.decoders, 0.25):
+        recommended = replace(recommended, decoders=current.decoders + _step(current.decoders, 0.25))
+        reasons.append(f"decoder KV occupancy {signals.decoder_kv_usage:.0%} stayed >= {limits.kv_usage_high:.0%}")
+    queue = signals.prefiller_queue
+    grew = queue is not None and last_prefiller_queue is not None and queue > last_prefiller_queue
+    if queue is not None and queue >= limits.queue_high and grew and recommended.prefillers <= current.prefillers:
+        recommended = replace(recommended, prefillers=current.prefillers + 1)
+        reasons.append(f"prefiller queue {queue:.1f} per replica >= {limits.queue_high:g} and growing")
+
+    recommended = Replicas(
+        min(max(recommended.prefillers, limits.min_replicas.prefillers), limits.max_replicas.prefillers),
+        min(max(recommended.decoders, limits.min_replicas.decoders), limits.max_replicas.decoders),
+    )
+    now = Recommendation(now_s, recommended.prefillers, recommended.decoders)
+    covered = limits.stabilization_window_s <= 0 or any(
+        now_s - h.at_s >= limits.stabilization_window_s for h in history
+    )
+    window = [h for h in history if now_s - h.at_s < limits.stabilization_window_s] + [now]
+
+    chosen = {}
+    for role in ("prefillers", "decoders"):
+        have, want = getattr(current, role), getattr(recommended, role)
+        if want >= have:
+            chosen[role] = want
+            if want > have:
+                reasons.append(f"{role} {have} -> {want}: up at once")
+            continue
+        highest = max(getattr(h, role) for h in window)
+        floor = have - _step(have, limits.down_step_fraction)
+        chosen[role] = min(have, max(highest, floor, want)) if covered else have
+        if chosen[role] < have:
+            reasons.append(f"{role} {have} -> {chosen[role]}: low for {limits.stabilization_window_s:g}s")
+        else:
+            reasons.append(f"{role} held at {have}: {want} recommended, waiting out the stabilization window")
+    final = Replicas(
+        min(max(chosen["prefillers"], limits.min_replicas.prefillers), limits.max_replicas.prefillers),
+        min(max(chosen["decoders"], limits.min_replicas.decoders), limits.max_replicas.decoders),
+    )
+    return Decision(final, recommended, tuple(reasons), _prune(history, now, limits.stabilization_window_s), kv_high,
+                    queue)  # fmt: skip
+
+
+def _prune(history: Sequence[Recommendation], now: Recommendation, window_s: float) -> tuple[Recommendation, ...]:
+    """What the next evaluations need of the history: the newest entry older than the window (proof that
+    the window is covered), the oldest inside it (the next such proof) and, between, only entries above
+    every newer one for some role (the window's maximum can only come from those), so the status stays
+    small whatever the interval."""
+    older = [h for h in history if now.at_s - h.at_s >= window_s]
+    recent = [h for h in history if now.at_s - h.at_s < window_s] + [now]
+    kept: list[Recommendation] = []
+    top_p = top_d = -1
+    for entry in reversed(recent):
+        # the oldest one stays too: when it ages out of the window, it proves the window is covered
+        if entry is now or entry is recent[0] or entry.prefillers > top_p or entry.decoders > top_d:
+            kept.append(entry)
+        top_p, top_d = max(top_p, entry.prefillers), max(top_d, entry.decoders)
+    return tuple(older[-1:]) + tuple(reversed(kept))
+
+
+def hold_reason(error: InvalidInput) -> str:
+    """Why a measured workload could not be planned, for the status message."""
+    return "the measured workload cannot be planned: " + "; ".join(str(p) for p in error.problems)

@@ -1,0 +1,73 @@
+"""The PromQL the autoscaler runs for a pool: defaults matching the router's and vLLM's metric names.
+
+Who calls it: the operator's autoscaler renders ``queries_for`` once per
+evaluation and runs each query; ``spec.autoscaling.queries`` overrides any of
+them by name. Templates may use ``{selector}`` (``spec.autoscaling.selector``,
+by default ``namespace="<ns>",pool="<pool>"``), ``{namespace}`` and ``{pool}``.
+
+The default selector assumes the usual Kubernetes scrape relabelling: the
+namespace as ``namespace`` and the pods' ``coserve.dev/pool`` and
+``coserve.dev/role`` labels as ``pool`` and ``role`` (the README shows a scrape
+config that does this); ``spec.autoscaling.selector`` adapts it to others.
+
+Placeholders are replaced literally (no escaping of PromQL's own braces).
+Each query must return one number (a scalar, or an instant vector of one
+sample); an empty result or NaN is "no data".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["DEFAULT_QUERIES", "DEFAULT_SELECTOR", "SIGNALS", "queries_for"]
+
+DEFAULT_SELECTOR = 'namespace="{namespace}",pool="{pool}"'
+
+# signal name -> PromQL template; the names are Signals' fields (coserve.autoscaling.policy)
+DEFAULT_QUERIES: dict[str, str] = {
+    "arrivalRate": "sum(rate(coserve_router_conversations_total{{selector}}[2m]))",
+    "inputTokens": (
+        "sum(rate(coserve_router_conversation_input_tokens_sum{{selector}}[5m]))"
+        " / sum(rate(coserve_router_conversation_input_tokens_count{{selector}}[5m]))"
+    ),
+    "outputTokens": (
+        "sum(rate(coserve_router_output_tokens_total{{selector}}[5m]))"
+        " / sum(rate(coserve_router_conversations_total{{selector}}[5m]))"
+    ),
+    "lifetime": (
+        "sum(rate(coserve_router_conversation_lifetime_seconds_sum{{selector}}[10m]))"
+        " / sum(rate(coserve_router_conversation_lifetime_seconds_count{{selector}}[10m]))"
+    ),
+    "prefillTokensRate": "sum(rate(coserve_router_prefill_tokens_total{{selector}}[2m]))",
+    "prefillerQueue": 'avg(vllm:num_requests_waiting{{selector},role="prefiller"})',
+    "decoderKvUsage": 'avg(vllm:kv_cache_usage_perc{{selector},role="decoder"})',
+    "decoderWaiting": 'sum(vllm:num_requests_waiting{{selector},role="decoder"})',
+}
+
+# query name -> Signals field
+SIGNALS: dict[str, str] = {
+    "arrivalRate": "arrival_rate_per_s",
+    "inputTokens": "input_tokens",
+    "outputTokens": "output_tokens",
+    "lifetime": "lifetime_s",
+    "prefillTokensRate": "prefill_tokens_per_s",
+    "prefillerQueue": "prefiller_queue",
+    "decoderKvUsage": "decoder_kv_usage",
+    "decoderWaiting": "decoder_waiting",
+}
+
+
+def queries_for(
+    namespace: str, pool: str, overrides: Mapping[str, str] | None = None, selector: str | None = None
+) -> dict[str, str]:
+    """Every signal's PromQL for one pool; ``KeyError`` names an override that is not a signal."""
+    unknown = sorted(set(overrides or {}) - set(DEFAULT_QUERIES))
+    if unknown:
+        raise KeyError(f"unknown signal(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_QUERIES)}")
+
+    def fill(template: str) -> str:
+        return template.replace("{namespace}", namespace).replace("{pool}", pool)
+
+    where = fill(selector or DEFAULT_SELECTOR)
+    return {name: fill(template.replace("{selector}", where)) for name, template in
+            {**DEFAULT_QUERIES, **(overrides or {})}.items()}  # fmt: skip

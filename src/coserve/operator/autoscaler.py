@@ -1,0 +1,312 @@
+"""The operator's autoscaler: Prometheus in, ``coserve.autoscaling.policy`` decides, Deployments and status out.
+
+Who calls it: ``coserve.operator.handlers`` starts ``Autoscaler.run_forever`` at
+operator start-up; it wakes every ``tick_s`` and evaluates each pool with
+``spec.autoscaling.enabled`` whose ``evaluationIntervalS`` has passed. Tests call
+``evaluate`` directly.
+
+One evaluation of one pool, under the pool's reconcile lock (so status writes
+never interleave with a reconcile's):
+
+1. run the pool's PromQL (``coserve.autoscaling.queries``) against
+   ``spec.autoscaling.prometheusUrl``'s HTTP API;
+2. if Prometheus cannot be reached, a query fails, or there is no arrival
+   rate: replicas are held where they are, AutoscalingActive=False with reason
+   PrometheusUnreachable, QueryFailed or NoData, and a Warning event when that
+   changes;
+3. else ``decide`` with the Deployments' current replicas and the history kept
+   in ``status.autoscaling``; changed counts are merge-patched onto the
+   prefiller and decoder Deployments (a Normal ``Scaled`` event says why);
+   ``status.autoscaling`` records the signals, the recommendation, the replicas
+   chosen and the reason, and AutoscalingActive=True.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from coserve.api.conditions import rfc3339, set_condition
+from coserve.api.parse import parse_pool
+from coserve.api.problems import InvalidInput, Problem
+from coserve.api.profile import EngineProfile
+from coserve.api.resource import KIND, CoServePool
+from coserve.api.status import (
+    AutoscalingRecord,
+    AutoscalingSignals,
+    AutoscalingStatus,
+    ConditionStatus,
+    ConditionType,
+    RoleCounts,
+    StatusModel,
+)
+from coserve.autoscaling.policy import Decision, Recommendation, Replicas, Signals, Thresholds, decide, hold_reason
+from coserve.autoscaling.queries import SIGNALS, queries_for
+from coserve.operator.cache import ObjectCache
+from coserve.operator.kube import KubeClient, KubeError
+from coserve.operator.metrics import AUTOSCALER_EVALUATIONS
+from coserve.operator.reconcile import PoolEvent
+from coserve.operator.resources import child_name
+
+__all__ = ["Autoscaler", "PrometheusError", "query_prometheus"]
+
+logger = logging.getLogger("coserve.operator.autoscaler")
+
+
+class PrometheusError(RuntimeError):
+    """A query could not be answered; ``reason`` is the AutoscalingActive condition's reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+async def query_prometheus(client: httpx.AsyncClient, base_url: str, promql: str) -> float | None:
+    """One instant query; its single number, ``None`` for no data (empty or NaN)."""
+    url = base_url.rstrip("/") + "/api/v1/query"
+    try:
+        response = await client.get(url, params={"query": promql})
+    except httpx.HTTPError as error:
+        raise PrometheusError("PrometheusUnreachable", f"{url}: {type(error).__name__}: {error}") from error
+    try:
+        document = response.json()
+    except ValueError:
+        document = {}
+    if response.status_code != 200 or document.get("status") != "success":
+        detail = document.get("error") or response.text[:200]
+        raise PrometheusError("QueryFailed", f"HTTP {response.status_code} for {promql!r}: {detail}")
+    data = document.get("data") or {}
+    result = data.get("result")
+    if data.get("resultType") == "scalar" and isinstance(result, list):
+        value = float(result[1])
+    elif data.get("resultType") == "vector" and isinstance(result, list):
+        if not result:
+            return None
+        if len(result) > 1:
+            raise PrometheusError(
+                "QueryFailed", f"{promql!r} returns {len(result)} series; aggregate it to one (sum, avg)"
+            )
+        value = float(result[0]["value"][1])
+    else:
+        raise PrometheusError("QueryFailed", f"{promql!r} returns a {data.get('resultType')}, not a number")
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    active: bool
+    reason: str
+    message: str
+    decision: Decision | None = None
+
+
+ProfileReader = Callable[[str, Mapping[str, Any]], Awaitable[tuple[EngineProfile | None, Problem | None]]]
+
+
+class Autoscaler:
+    """Evaluates autoscaled pools on their intervals (module docstring)."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        cache: ObjectCache,
+        *,
+        read_profile: ProfileReader,
+        post_event: Callable[[str, Mapping[str, Any], PoolEvent], Awaitable[None]],
+        lock_for: Callable[[str, str], asyncio.Lock],
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.kube = kube
+        self.cache = cache
+        self.read_profile = read_profile
+        self.post_event = post_event
+        self.lock_for = lock_for
+        self.clock = clock
+        self.http = httpx.AsyncClient(timeout=timeout_s)
+        self._due: dict[tuple[str, str], float] = {}  # (namespace, name) -> monotonic time of the next evaluation
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def run_forever(self, tick_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(tick_s)
+            for namespace, name in self.cache.names(KIND):
+                body = self.cache.get(KIND, namespace, name) or {}
+                scaling = ((body.get("spec") or {}).get("autoscaling")) or {}
+                if not scaling.get("enabled"):
+                    continue
+                if time.monotonic() < self._due.get((namespace, name), 0.0):
+                    continue
+                interval = scaling.get("evaluationIntervalS", 30)
+                self._due[(namespace, name)] = time.monotonic() + float(interval)
+                try:
+                    await self.evaluate(namespace, name)
+                except Exception:  # one pool's failure must not stop the others' autoscaling
+                    logger.exception("%s/%s: autoscaling evaluation failed", namespace, name)
+
+    async def evaluate(self, namespace: str, name: str) -> Decision | None:
+        """One evaluation (module docstring); the decision, or ``None`` when replicas were held."""
+        async with self.lock_for(namespace, name):
+            body = self.cache.get(KIND, namespace, name)
+            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                return None
+            try:
+                pool = parse_pool({k: v for k, v in body.items() if k != "status"})
+            except InvalidInput:
+                return None  # the reconcile reports PlanValid=False
+            if not pool.spec.autoscaling.enabled or pool.spec.autoscaling.prometheus_url is None:
+                return None
+            current = self._current(namespace, name)
+            if current is None:
+                return None  # the Deployments are not created yet
+            previous = _previous(body)
+            outcome, signals = await self._decide(namespace, body, pool, current, previous)
+            AUTOSCALER_EVALUATIONS.labels(outcome.reason).inc()
+            if outcome.decision is not None and outcome.decision.replicas != current:
+                await self._scale(namespace, name, current, outcome.decision.replicas)
+                await self.post_event(namespace, body, PoolEvent("Normal", "Scaled", _scaled_message(
+                    current, outcome.decision)))  # fmt: skip
+            await self._write_status(namespace, name, body, previous, outcome, signals)
+            return outcome.decision
+
+    def _current(self, namespace: str, name: str) -> Replicas | None:
+        counts = []
+        for role in ("prefiller", "decoder"):
+            deployment = self.cache.get("Deployment", namespace, child_name(name, role))
+            replicas = ((deployment or {}).get("spec") or {}).get("replicas")
+            if not isinstance(replicas, int):
+                return None
+            counts.append(replicas)
+        return Replicas(*counts)
+
+    async def _decide(
+        self, namespace: str, body: Mapping[str, Any], pool: CoServePool, current: Replicas,
+        previous: AutoscalingStatus,
+    ) -> tuple[_Outcome, AutoscalingSignals]:  # fmt: skip
+        scaling = pool.spec.autoscaling
+        overrides: dict[str, str] = scaling.queries.model_dump(by_alias=True, exclude_none=True)
+        queries = queries_for(namespace, pool.metadata.name, overrides, scaling.selector)
+        values: dict[str, float | None] = {}
+        held = f"replicas held at {current.prefillers} prefillers, {current.decoders} decoders"
+        try:
+            results = await asyncio.gather(
+                *(query_prometheus(self.http, str(scaling.prometheus_url), q) for q in queries.values())
+            )
+        except PrometheusError as error:
+            return _Outcome(False, error.reason, f"{error}; {held}"), AutoscalingSignals()
+        values = {SIGNALS[name]: value for name, value in zip(queries, results, strict=True)}
+        seen = AutoscalingSignals(**{k: (max(0.0, v) if v is not None else None) for k, v in values.items()})
+        if values["arrival_rate_per_s"] is None:
+            message = f"Prometheus has no sample for arrivalRate ({queries['arrivalRate']}); {held}"
+            return _Outcome(False, "NoData", message), seen
+        profile, problem = await self.read_profile(namespace, body)
+        if problem is not None:
+            return _Outcome(False, "ProfileUnavailable", f"{problem}; {held}"), seen
+        thresholds = Thresholds(
+            min_replicas=Replicas(scaling.prefillers.min_replicas, scaling.decoders.min_replicas),
+            max_replicas=Replicas(scaling.prefillers.max_replicas, scaling.decoders.max_replicas),
+            stabilization_window_s=scaling.stabilization_window_s,
+            kv_usage_high=scaling.kv_usage_high,
+            queue_high=scaling.prefiller_queue_high,
+        )
+        try:
+            decision = decide(
+                pool.spec,
+                Signals(**{f.name: values.get(f.name) for f in fields(Signals)}),
+                current,
+                self.clock().timestamp(),
+                profile=profile,
+                thresholds=thresholds,
+                history=[Recommendation(h.at, h.prefillers, h.decoders) for h in previous.history],
+                kv_high_evaluations=previous.kv_high_evaluations,
+                last_prefiller_queue=previous.prefiller_queue,
+            )
+        except InvalidInput as error:
+            return _Outcome(False, "WorkloadNotPlannable", f"{hold_reason(error)}; {held}"), seen
+        reason = "Scaled" if decision.replicas != current else "Evaluated"
+        return _Outcome(True, reason, decision.reason, decision), seen
+
+    async def _scale(self, namespace: str, name: str, current: Replicas, wanted: Replicas) -> None:
+        for role, have, want in (("prefiller", current.prefillers, wanted.prefillers),
+                                 ("decoder", current.decoders, wanted.decoders)):  # fmt: skip
+            if have == want:
+                continue
+            deployment = child_name(name, role)
+            written = await self.kube.merge_patch("Deployment", namespace, deployment, {"spec": {"replicas": want}})
+            self.cache.put("Deployment", written)
+            logger.info("%s/%s: %s %d -> %d replicas", namespace, name, deployment, have, want)
+
+    async def _write_status(
+        self, namespace: str, name: str, body: Mapping[str, Any], previous: AutoscalingStatus, outcome: _Outcome,
+        signals: AutoscalingSignals,
+    ) -> None:  # fmt: skip
+        status = _status_of(body)
+        now = self.clock()
+        decision = outcome.decision
+        autoscaling = AutoscalingStatus(
+            last_evaluation_time=rfc3339(now),
+            signals=signals,
+            recommended=RoleCounts(prefillers=decision.recommended.prefillers, decoders=decision.recommended.decoders)
+            if decision else previous.recommended,
+            desired=RoleCounts(prefillers=decision.replicas.prefillers, decoders=decision.replicas.decoders)
+            if decision else previous.desired,
+            reason=outcome.message[:4096],
+            history=[AutoscalingRecord(at=h.at_s, prefillers=h.prefillers, decoders=h.decoders)
+                     for h in decision.history] if decision else previous.history,
+            kv_high_evaluations=decision.kv_high_evaluations if decision else previous.kv_high_evaluations,
+            prefiller_queue=decision.prefiller_queue if decision else previous.prefiller_queue,
+        )  # fmt: skip
+        was = next((c for c in status.conditions if c.type == ConditionType.AUTOSCALING_ACTIVE), None)
+        conditions = set_condition(
+            status.conditions,
+            ConditionType.AUTOSCALING_ACTIVE,
+            ConditionStatus.TRUE if outcome.active else ConditionStatus.FALSE,
+            outcome.reason,
+            outcome.message[:32768],
+            now,
+            (body.get("metadata") or {}).get("generation"),
+        )
+        patch = {"autoscaling": autoscaling.to_wire(), "conditions": [c.to_wire() for c in conditions]}
+        try:
+            written = await self.kube.merge_patch(KIND, namespace, name, {"status": patch}, subresource="status")
+            self.cache.put(KIND, written)
+        except KubeError as error:
+            if error.status != 404:
+                raise
+        if not outcome.active and (was is None or was.status == ConditionStatus.TRUE or was.reason != outcome.reason):
+            await self.post_event(namespace, body, PoolEvent("Warning", outcome.reason, outcome.message))
+
+
+def _status_of(body: Mapping[str, Any]) -> StatusModel:
+    raw = body.get("status")
+    if not isinstance(raw, Mapping):
+        return StatusModel()
+    with contextlib.suppress(ValueError):  # pydantic's ValidationError is a ValueError
+        return StatusModel.model_validate_json(
+            json.dumps({k: v for k, v in raw.items() if k in ("conditions", "autoscaling")})
+        )
+    return StatusModel()
+
+
+def _previous(body: Mapping[str, Any]) -> AutoscalingStatus:
+    return _status_of(body).autoscaling or AutoscalingStatus()
+
+
+def _scaled_message(current: Replicas, decision: Decision) -> str:
+    wanted = decision.replicas
+    return (
+        f"prefillers {current.prefillers} -> {wanted.prefillers}, decoders {current.decoders} -> {wanted.decoders}: "
+        f"{decision.reason}"
+    )

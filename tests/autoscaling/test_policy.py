@@ -1,0 +1,169 @@
+"""coserve.autoscaling.policy: the autoscaler's decision, table-driven and by properties."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coserve.api.parse import parse_pool
+from coserve.api.problems import InvalidInput
+from coserve.api.spec import SpecModel
+from coserve.autoscaling.policy import Decision, Recommendation, Replicas, Signals, Thresholds, decide
+from coserve.provisioning import plan_for
+from pool_builders import sample_pool
+
+SPEC: SpecModel = parse_pool(sample_pool()).spec  # L_in 2000, L_d 500, W 60 s; R* = 4.76/s per prefiller
+LIMITS = Thresholds(
+    min_replicas=Replicas(1, 1), max_replicas=Replicas(8, 32), stabilization_window_s=300.0, kv_usage_high=0.85
+)
+
+
+def planned(rate: float, **workload: float) -> Replicas:
+    spec = SPEC.model_copy(update={"workload": SPEC.workload.model_copy(update={"arrival_rate_per_s": rate,
+                                                                                 **workload})})  # fmt: skip
+    plan = plan_for(spec)
+    return Replicas(plan.prefillers, plan.decoders)
+
+
+def run(signals: Signals, current: Replicas, now_s: float = 1000.0, **kwargs: object) -> Decision:
+    return decide(SPEC, signals, current, now_s, thresholds=LIMITS, **kwargs)  # type: ignore[arg-type]
+
+
+def test_no_arrivals_recommends_each_roles_minimum() -> None:
+    decision = run(Signals(arrival_rate_per_s=0.0), Replicas(1, 1))
+    assert decision.recommended == Replicas(1, 1) and decision.replicas == Replicas(1, 1)
+    assert "minimum" in decision.reason
+
+
+@pytest.mark.parametrize("rate", [0.5, 2.0, 6.0, 12.0])
+def test_the_proactive_rule_is_the_provisioning_model_at_the_measured_workload(rate: float) -> None:
+    signals = Signals(arrival_rate_per_s=rate, input_tokens=2000, output_tokens=500, lifetime_s=60)
+    decision = run(signals, Replicas(1, 1))
+    assert decision.recommended == planned(rate)
+    assert decision.replicas == planned(rate)  # up at once
+
+
+def test_measured_lengths_replace_the_specs_and_missing_ones_fall_back_to_it() -> None:
+    longer = run(Signals(arrival_rate_per_s=4.0, input_tokens=8000, output_tokens=800, lifetime_s=90), Replicas(1, 1))
+    assert longer.recommended == planned(4.0, input_tokens=8000, output_tokens=800, lifetime_s=90)
+    assert longer.recommended.prefillers > planned(4.0).prefillers  # longer prompts: more prefillers
+    fallback = run(Signals(arrival_rate_per_s=4.0), Replicas(1, 1))
+    assert fallback.recommended == planned(4.0)
+
+
+def test_the_kv_guard_needs_two_high_evaluations_in_a_row() -> None:
+    signals = Signals(arrival_rate_per_s=0.5, decoder_kv_usage=0.9)
+    base = planned(0.5)
+    first = run(signals, base)
+    assert first.replicas == base and first.kv_high_evaluations == 1
+    second = run(signals, base, kv_high_evaluations=first.kv_high_evaluations)
+    assert second.replicas.decoders == base.decoders + 1 and "KV occupancy 90%" in second.reason
+    calm = run(replace(signals, decoder_kv_usage=0.5), base, kv_high_evaluations=1)
+    assert calm.kv_high_evaluations == 0 and calm.replicas == base
+
+
+@pytest.mark.parametrize(
+    ("queue", "last", "extra"),
+    [(6.0, 4.0, 1), (6.0, 6.0, 0), (6.0, None, 0), (2.0, 1.0, 0)],  # growing and high; flat; first; low
+)
+def test_the_prefiller_guard_adds_one_when_the_queue_is_high_and_growing(
+    queue: float, last: float | None, extra: int
+) -> None:
+    base = planned(0.5)
+    decision = run(Signals(arrival_rate_per_s=0.5, prefiller_queue=queue), base, last_prefiller_queue=last)
+    assert decision.replicas.prefillers == base.prefillers + extra
+    assert decision.prefiller_queue == queue
+
+
+def test_replicas_stay_within_the_bounds() -> None:
+    huge = run(Signals(arrival_rate_per_s=10_000.0), Replicas(1, 1))
+    assert huge.replicas == Replicas(8, 32)
+    floor = decide(SPEC, Signals(arrival_rate_per_s=0.0), Replicas(3, 5), 0.0,
+                   thresholds=replace(LIMITS, min_replicas=Replicas(2, 4), stabilization_window_s=0))  # fmt: skip
+    assert floor.replicas == Replicas(2, 4)
+
+
+def test_scale_down_waits_for_the_window_then_goes_in_bounded_steps() -> None:
+    current = Replicas(4, 16)
+    history: tuple[Recommendation, ...] = (Recommendation(0.0, 4, 16),)
+    low = Signals(arrival_rate_per_s=0.0)
+    held = run(low, current, now_s=100.0, history=history)  # the window (300 s) has not passed
+    assert held.replicas == current and "waiting out the stabilization window" in held.reason
+    step = run(low, current, now_s=400.0, history=held.history)  # low ever since the 4/16 recommendation aged out
+    assert step.replicas == Replicas(3, 12)  # a quarter at most per evaluation
+    nothing_yet = run(low, current, now_s=100.0)  # no history at all (just enabled): the window is not covered
+    assert nothing_yet.replicas == current
+
+
+def test_history_stays_small_whatever_the_interval() -> None:
+    history: tuple[Recommendation, ...] = ()
+    for second in range(0, 3000, 1):
+        decision = run(Signals(arrival_rate_per_s=2.0 + (second % 7) / 10), Replicas(2, 6), now_s=second,
+                       history=history)  # fmt: skip
+        history = decision.history
+    assert len(history) <= 10
+
+
+def test_an_unplannable_measured_workload_is_an_error_for_the_caller_to_report() -> None:
+    with pytest.raises(InvalidInput):
+        run(Signals(arrival_rate_per_s=1.0, input_tokens=5_000_000), Replicas(1, 1))
+
+
+rates = st.floats(min_value=0.0, max_value=200.0, allow_nan=False)
+
+
+@given(low=rates, high=rates)
+def test_recommendations_are_monotone_in_load(low: float, high: float) -> None:
+    low, high = sorted((low, high))
+    a = run(Signals(arrival_rate_per_s=low), Replicas(1, 1)).recommended
+    b = run(Signals(arrival_rate_per_s=high), Replicas(1, 1)).recommended
+    assert a.prefillers <= b.prefillers and a.decoders <= b.decoders
+
+
+@given(
+    rate=rates,
+    kv=st.floats(0, 1),
+    queue=st.floats(0, 100),
+    current=st.tuples(st.integers(1, 20), st.integers(1, 60)),
+    kv_high=st.integers(0, 3),
+)
+def test_replicas_are_always_within_bounds(
+    rate: float, kv: float, queue: float, current: tuple[int, int], kv_high: int
+) -> None:
+    decision = run(Signals(arrival_rate_per_s=rate, decoder_kv_usage=kv, prefiller_queue=queue),
+                   Replicas(*current), kv_high_evaluations=kv_high, last_prefiller_queue=queue / 2)  # fmt: skip
+    assert 1 <= decision.replicas.prefillers <= 8 and 1 <= decision.replicas.decoders <= 32
+
+
+@settings(max_examples=50)
+@given(boundary=st.floats(1.0, 100.0), wobble=st.floats(0.001, 0.2), evaluations=st.integers(10, 120))
+def test_load_hovering_at_a_boundary_changes_direction_at_most_once(
+    boundary: float, wobble: float, evaluations: int
+) -> None:
+    current, history, directions = Replicas(1, 1), (), []
+    for index in range(evaluations):  # every 30 s, the rate alternates just below and just above
+        rate = boundary * (1 + wobble if index % 2 else 1 - wobble)
+        decision = run(Signals(arrival_rate_per_s=rate), current, now_s=30.0 * index, history=history)
+        for role in ("prefillers", "decoders"):
+            delta = getattr(decision.replicas, role) - getattr(current, role)
+            if delta:
+                directions.append((role, delta > 0))
+        current, history = decision.replicas, decision.history
+    for role in ("prefillers", "decoders"):
+        moves = [up for r, up in directions if r == role]
+        changes = sum(1 for a, b in itertools.pairwise(moves) if a != b)
+        assert changes == 0, f"{role} went {moves}"
+
+
+def test_a_steady_low_load_scales_down_once_the_window_has_passed() -> None:
+    current, history = Replicas(2, 6), ()
+    for second in range(0, 400, 10):  # 0.5/s throughout, evaluations every 10 s, a 300 s window
+        decision = run(Signals(arrival_rate_per_s=0.5), current, now_s=float(second), history=history)
+        if second < 300:
+            assert decision.replicas == current, f"down at {second} s, before the window passed"
+        current, history = decision.replicas, decision.history
+    assert current == planned(0.5)

@@ -1,0 +1,28 @@
+"""coserve.autoscaling.queries: the PromQL each pool's autoscaler runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from coserve.autoscaling.queries import DEFAULT_QUERIES, SIGNALS, queries_for
+
+
+def test_defaults_select_the_pool_by_namespace_and_pool_label() -> None:
+    queries = queries_for("serving", "chat")
+    assert set(queries) == set(DEFAULT_QUERIES) == set(SIGNALS)
+    selector = 'namespace="serving",pool="chat"'
+    assert queries["arrivalRate"] == f"sum(rate(coserve_router_conversations_total{{{selector}}}[2m]))"
+    assert queries["decoderKvUsage"] == 'avg(vllm:kv_cache_usage_perc{namespace="serving",pool="chat",role="decoder"})'
+
+
+def test_overrides_and_selector_fill_placeholders_literally() -> None:
+    queries = queries_for(
+        "ns", "p", {"arrivalRate": "sum(rate(my_conversations{{selector}}[30s]))"}, 'kubernetes_namespace="{namespace}"'
+    )
+    assert queries["arrivalRate"] == 'sum(rate(my_conversations{kubernetes_namespace="ns"}[30s]))'
+    assert queries["prefillerQueue"] == 'avg(vllm:num_requests_waiting{kubernetes_namespace="ns",role="prefiller"})'
+
+
+def test_an_unknown_signal_is_named() -> None:
+    with pytest.raises(KeyError, match=r"unknown signal.*arrivals"):
+        queries_for("ns", "p", {"arrivals": "x"})

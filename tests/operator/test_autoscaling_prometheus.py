@@ -1,0 +1,264 @@
+"""The autoscaler end to end: a real Prometheus server scraping a scripted exporter, the real kopf operator.
+
+Prometheus 2.42 (Debian's package; ``make test`` installs it) runs on 127.0.0.1
+with its own config, scraping a test exporter built with prometheus-client that
+replays a pool's router and vLLM metrics at a scripted load. The operator runs
+against kmock's Kubernetes emulator (a test double: no kube-apiserver runs
+here). The scrape config adds ``namespace`` and ``pool`` target labels, as the
+usual Kubernetes relabelling does, so the default selector matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kmock as kmocklib
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from coserve.operator.autoscaler import PrometheusError, query_prometheus
+from operator_kmock import MERGE, NS, POOL, POOLS, POOLS_URL, condition, events, eventually, running_operator
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (`make test` installs Debian's)"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ScriptedPool:
+    """A test exporter: the router's and engines' metrics of a pool receiving ``rate`` conversations/s."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        registry = CollectorRegistry()
+        self.conversations = Counter("coserve_router_conversations", "turn-1 arrivals", registry=registry)
+        self.input_tokens = Histogram(
+            "coserve_router_conversation_input_tokens", "L_in", registry=registry, buckets=(1024, 4096)
+        )
+        self.output_tokens = Counter("coserve_router_output_tokens", "L_d", registry=registry)
+        self.lifetime = Histogram("coserve_router_conversation_lifetime_seconds", "W", registry=registry)
+        self.waiting = Gauge("vllm:num_requests_waiting", "queue", ["role"], registry=registry)
+        self.kv = Gauge("vllm:kv_cache_usage_perc", "KV", ["role"], registry=registry)
+        self.waiting.labels("prefiller").set(0)
+        self.kv.labels("decoder").set(0.3)
+        self.port = free_port()
+        self.server, _ = start_http_server(self.port, addr="127.0.0.1", registry=registry)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._load, daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        owed = 0.0
+        while not self._stop.wait(0.05):
+            owed += self.rate * 0.05
+            while owed >= 1:
+                owed -= 1
+                self.conversations.inc()
+                self.input_tokens.observe(2000)
+                self.output_tokens.inc(500)
+                self.lifetime.observe(60)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.server.shutdown()
+
+
+class Prometheus:
+    """A real Prometheus server scraping ``target`` every second, with the pool's target labels."""
+
+    def __init__(self, target: int) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="coserve-prometheus-"))
+        (self.dir / "prometheus.yml").write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            "scrape_configs:\n"
+            "  - job_name: pool\n"
+            "    static_configs:\n"
+            f"      - targets: ['127.0.0.1:{target}']\n"
+            f"        labels: {{namespace: {NS}, pool: chat}}\n"
+        )
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [
+                str(PROMETHEUS),
+                f"--config.file={self.dir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise RuntimeError("prometheus did not become ready")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[ScriptedPool, Prometheus]]:
+    exporter = ScriptedPool(rate=0.5)
+    prometheus = Prometheus(exporter.port)
+    try:
+        yield exporter, prometheus
+    finally:
+        prometheus.stop()
+        exporter.close()
+
+
+def autoscaled_pool(prometheus_url: str) -> dict[str, Any]:
+    pool = copy.deepcopy(POOL)
+    pool["spec"]["autoscaling"] = {
+        "enabled": True,
+        "prometheusUrl": prometheus_url,
+        "evaluationIntervalS": 1,
+        "stabilizationWindowS": 6,
+        "prefillers": {"minReplicas": 1, "maxReplicas": 8},
+        "decoders": {"minReplicas": 1, "maxReplicas": 32},
+        "queries": {  # {selector} is filled in literally; PromQL's braces stay as they are
+            "arrivalRate": "sum(rate(coserve_router_conversations_total{{selector}}[5s]))",
+            "inputTokens": "sum(rate(coserve_router_conversation_input_tokens_sum{{selector}}[5s]))"
+            " / sum(rate(coserve_router_conversation_input_tokens_count{{selector}}[5s]))",
+        },
+    }
+    return pool
+
+
+def replicas(kmock: kmocklib.KubernetesEmulator) -> tuple[int, int]:
+    return tuple(  # type: ignore[return-value]
+        kmock.objects["apps/v1/deployments", NS, f"chat-{role}"]["spec"]["replicas"]
+        for role in ("prefiller", "decoder")
+    )
+
+
+@pytest.mark.asyncio
+async def test_the_operator_scales_on_a_load_step_holds_then_scales_down_and_holds_without_prometheus(
+    kmock: kmocklib.KubernetesEmulator, scripted: tuple[ScriptedPool, Prometheus]
+) -> None:
+    exporter, prometheus = scripted
+    seen: list[tuple[int, int]] = []
+
+    def watch() -> tuple[int, int]:
+        now = replicas(kmock)
+        if not seen or seen[-1] != now:
+            seen.append(now)
+        return now
+
+    async with running_operator(kmock, autoscale_tick_s=0.2) as operator:
+        response = await operator.post(POOLS_URL, json=autoscaled_pool(prometheus.url))
+        assert response.status_code in (200, 201), response.text
+        # the plan (R = 2/s in the spec) first, then the measured 0.5/s once the 6 s window is covered
+        await eventually(lambda: watch() == (1, 1), "scale-down to the measured 0.5/s", 30)
+        assert condition(kmock, "AutoscalingActive")["status"] == "True"
+        signals = kmock.objects[POOLS, NS, "chat"]["status"]["autoscaling"]["signals"]
+        assert 0.2 < signals["arrivalRatePerS"] < 0.8 and signals["inputTokens"] == pytest.approx(2000)
+
+        exporter.rate = 8.0  # the load step
+        step = time.monotonic()
+        await eventually(lambda: watch() == (2, 6), "scale-up to the model's 2 prefillers and 6 decoders", 20)
+        up_after_s = time.monotonic() - step
+        await eventually(lambda: events(kmock, "Scaled"), "a Scaled event")
+        plateau = list(seen)
+        until = time.monotonic() + 4
+        while time.monotonic() < until:  # the plateau: nothing moves
+            watch()
+            await asyncio.sleep(0.2)
+        assert seen == plateau, f"replicas moved on a plateau: {seen}"
+
+        exporter.rate = 0.5  # the load goes away
+        drop = time.monotonic()
+        await eventually(lambda: watch() == (1, 1), "scale-down after the stabilization window", 40)
+        assert time.monotonic() - drop >= 6  # not before the window
+        ups = [b > a for a, b in itertools.pairwise(seen)]
+        assert sum(1 for a, b in itertools.pairwise(ups) if a != b) <= 2, seen  # down, up, down: one per step
+        assert up_after_s < 15
+
+        stopped_at = replicas(kmock)
+        prometheus.stop()  # Prometheus goes away: replicas held, the condition says why
+        await eventually(
+            lambda: condition(kmock, "AutoscalingActive")["reason"] == "PrometheusUnreachable", "the held condition"
+        )
+        assert condition(kmock, "AutoscalingActive")["status"] == "False"
+        assert "replicas held at 1 prefillers, 1 decoders" in condition(kmock, "AutoscalingActive")["message"]
+        await eventually(lambda: events(kmock, "PrometheusUnreachable"), "a Warning event")
+        await asyncio.sleep(2)
+        assert replicas(kmock) == stopped_at
+
+
+@pytest.mark.asyncio
+async def test_no_data_holds_replicas_and_says_which_query(
+    kmock: kmocklib.KubernetesEmulator, scripted: tuple[ScriptedPool, Prometheus]
+) -> None:
+    _, prometheus = scripted
+    pool = autoscaled_pool(prometheus.url)
+    pool["spec"]["autoscaling"]["queries"]["arrivalRate"] = "sum(rate(no_such_metric_total[5s]))"
+    async with running_operator(kmock, autoscale_tick_s=0.2) as operator:
+        response = await operator.post(POOLS_URL, json=pool)
+        assert response.status_code in (200, 201), response.text
+        await eventually(lambda: condition(kmock, "AutoscalingActive")["reason"] == "NoData", "NoData", 20)
+        message = condition(kmock, "AutoscalingActive")["message"]
+        assert "no_such_metric_total" in message and "replicas held" in message
+        planned = replicas(kmock)
+        await asyncio.sleep(2)
+        assert replicas(kmock) == planned  # never scaled to zero or to min on missing data
+        # a user's own query fixes it, through the spec
+        fixed = {
+            "spec": {"autoscaling": {"queries": {"arrivalRate": "sum(rate(coserve_router_conversations_total[5s]))"}}}
+        }
+        await operator.patch(f"{POOLS_URL}/chat", json=fixed, headers=MERGE)
+        await eventually(lambda: condition(kmock, "AutoscalingActive")["status"] == "True", "active again", 20)
+
+
+@pytest.mark.asyncio
+async def test_query_errors_are_clear(scripted: tuple[ScriptedPool, Prometheus]) -> None:
+    _, prometheus = scripted
+    async with httpx.AsyncClient(timeout=5) as client:
+        with pytest.raises(PrometheusError, match="parse error") as bad:
+            await query_prometheus(client, prometheus.url, "sum(")
+        assert bad.value.reason == "QueryFailed"
+        await eventually_series(client, prometheus.url)
+        with pytest.raises(PrometheusError, match="aggregate it to one") as many:
+            await query_prometheus(client, prometheus.url, "up or vector(1)")
+        assert many.value.reason == "QueryFailed"
+        assert await query_prometheus(client, prometheus.url, "vector(2) / vector(0) * 0") is None  # NaN: no data
+        with pytest.raises(PrometheusError) as gone:
+            await query_prometheus(client, f"http://127.0.0.1:{free_port()}", "up")
+        assert gone.value.reason == "PrometheusUnreachable"
+
+
+async def eventually_series(client: httpx.AsyncClient, url: str) -> None:
+    for _ in range(100):
+        if await query_prometheus(client, url, "sum(up)") is not None:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("prometheus never scraped the exporter")

@@ -1,0 +1,137 @@
+"""Helpers for tests of the real kopf operator against kmock's Kubernetes emulator (a test double for the
+API server, which cannot run on these machines): resource discovery, polling, and the running operator."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import kmock as kmocklib
+import kopf
+
+from coserve.operator.handlers import build_registry
+from coserve.operator.kube import ClusterAccess
+from pool_builders import sample_pool
+
+NS = "serving"
+POOLS = "coserve.dev/v1alpha1/coservepools"
+POOLS_URL = f"/apis/coserve.dev/v1alpha1/namespaces/{NS}/coservepools"
+ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+MERGE = {"Content-Type": "application/merge-patch+json"}
+CHILDREN = [
+    ("v1/configmaps", "chat-config"),
+    ("apps/v1/deployments", "chat-prefiller"),
+    ("apps/v1/deployments", "chat-decoder"),
+    ("apps/v1/deployments", "chat-router"),
+    ("v1/services", "chat-router"),
+    ("v1/services", "chat-prefiller"),
+    ("v1/services", "chat-decoder"),
+]
+# the emulator assigns no uid, generation or resourceVersion: the test gives them
+POOL: dict[str, Any] = sample_pool(namespace=NS, uid="uid-chat", generation=1, resourceVersion="1")
+
+
+def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
+    """Discovery for every resource kopf touches (kmock serves only what is declared, verbs included)."""
+
+    def declare(key: str, kind: str, namespaced: bool = True, subresources: frozenset[str] = frozenset()) -> None:
+        kmock.resources[key] = kmocklib.ResourceInfo(
+            kind=kind, singular=kind.lower(), namespaced=namespaced, verbs=ALL_VERBS, subresources=set(subresources)
+        )
+
+    declare(POOLS, "CoServePool", subresources=frozenset({"status"}))
+    declare("apps/v1/deployments", "Deployment", subresources=frozenset({"status", "scale"}))
+    declare("v1/services", "Service", subresources=frozenset({"status"}))
+    declare("v1/configmaps", "ConfigMap")
+    declare("v1/events", "Event")
+    declare("v1/namespaces", "Namespace", namespaced=False)
+    declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
+
+
+async def eventually(predicate: Callable[[], Any], what: str, timeout_s: float = 15.0) -> Any:
+    """Poll the emulator's state until ``predicate`` holds (KeyError: the object is not there yet)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            result = predicate()
+            if result:
+                return result
+        except (KeyError, ValueError):
+            pass
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def exists(kmock: kmocklib.KubernetesEmulator, resource: str, name: str) -> bool:
+    try:
+        return not kmock.objects[resource, NS, name].deleted
+    except KeyError:
+        return False
+
+
+def events(kmock: kmocklib.KubernetesEmulator, reason: str) -> list[dict[str, Any]]:
+    """Events the operator posted on the pool with ``reason``."""
+    return [
+        dict(request.data)
+        for request in kmock
+        if str(request.method).upper().endswith("POST")
+        and request.resource is not None
+        and request.resource.plural == "events"
+        and isinstance(request.data, dict)
+        and request.data.get("reason") == reason
+    ]
+
+
+def condition(kmock: kmocklib.KubernetesEmulator, kind: str) -> dict[str, Any]:
+    status = kmock.objects[POOLS, NS, "chat"]["status"]
+    found = next((c for c in status["conditions"] if c["type"] == kind), None)
+    if found is None:
+        raise KeyError(kind)  # not there yet: ``eventually`` keeps polling
+    return dict(found)
+
+
+@contextlib.asynccontextmanager
+async def running_operator(kmock: kmocklib.KubernetesEmulator, **options: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The coserve operator running against the emulator; yields an HTTP client to the same server.
+
+    NOTE: a context manager inside the test, not a fixture: when it stops, kopf cancels every task created
+    after it started, which would include pytest-asyncio's fixture-teardown task.
+    """
+    declare_resources(kmock)
+    server = str(kmock.url).rstrip("/")
+    # scanning=False, as `coserve operator -n NS` runs: no namespace or CRD listing (kmock cannot answer the
+    # namespace list either).
+    registry = build_registry(
+        lambda: ClusterAccess(server=server, verify=False), scanning=False, namespaces=[NS], resync_s=1.0, **options
+    )
+    settings = kopf.OperatorSettings()
+    settings.watching.reconnect_backoff = 0.1
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            registry=registry, settings=settings, standalone=True, namespaces=[NS], stop_flag=stop, ready_flag=ready
+        )
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 15)
+        watched = {"coservepools", "deployments", "services", "configmaps"}
+        await eventually(
+            lambda: {r.resource.plural for r in kmock if r.params.get("watch") == "true"} >= watched,
+            "kopf's watch requests",
+        )
+        await asyncio.sleep(0.3)  # the emulator subscribes a watch to changes just after its replay
+        async with httpx.AsyncClient(base_url=server, timeout=10) as client:
+            yield client
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def create_pool(client: httpx.AsyncClient, body: dict[str, Any] | None = None) -> None:
+    response = await client.post(POOLS_URL, json=copy.deepcopy(body or POOL))
+    assert response.status_code in (200, 201), response.text
