@@ -18,7 +18,11 @@ from pool_builders import sample_pool
 
 SPEC: SpecModel = parse_pool(sample_pool()).spec  # L_in 2000, L_d 500, W 60 s; R* = 4.76/s per prefiller
 LIMITS = Thresholds(
-    min_replicas=Replicas(1, 1), max_replicas=Replicas(8, 32), stabilization_window_s=300.0, kv_usage_high=0.85
+    min_replicas=Replicas(1, 1),
+    max_replicas=Replicas(8, 32),
+    stabilization_window_s=300.0,
+    kv_usage_high=0.85,
+    rate_headroom=1.0,  # the model at exactly the measured rate, to compare with plan_for
 )
 
 
@@ -45,6 +49,21 @@ def test_the_proactive_rule_is_the_provisioning_model_at_the_measured_workload(r
     decision = run(signals, Replicas(1, 1))
     assert decision.recommended == planned(rate)
     assert decision.replicas == planned(rate)  # up at once
+
+
+def test_rate_headroom_plans_for_more_than_the_measured_rate() -> None:
+    limits = Thresholds(rate_headroom=1.5)
+    decision = decide(SPEC, Signals(arrival_rate_per_s=8.0), Replicas(1, 1), 0.0, thresholds=limits)
+    assert decision.recommended == planned(12.0) and "x1.5 headroom" in decision.reason
+
+
+@pytest.mark.parametrize(("decoders", "after"), [(20, 20), (22, 19)])
+def test_a_small_drop_is_not_worth_a_scale_down(decoders: int, after: int) -> None:
+    assert planned(30.0) == Replicas(7, 19)
+    steady, current = Signals(arrival_rate_per_s=30.0), Replicas(7, decoders)
+    first = run(steady, current, now_s=0.0)
+    later = run(steady, current, now_s=400.0, history=first.history)  # the window has passed
+    assert later.replicas.decoders == after  # 19 of 20 is within the 10 % tolerance; 19 of 22 is not
 
 
 def test_measured_lengths_replace_the_specs_and_missing_ones_fall_back_to_it() -> None:

@@ -183,7 +183,7 @@ async def test_the_operator_scales_on_a_load_step_holds_then_scales_down_and_hol
         signals = kmock.objects[POOLS, NS, "chat"]["status"]["autoscaling"]["signals"]
         assert 0.2 < signals["arrivalRatePerS"] < 0.8 and signals["inputTokens"] == pytest.approx(2000)
 
-        exporter.rate = 8.0  # the load step
+        exporter.rate = 6.0  # the load step (the model runs at 1.2 x 6 = 7.2/s)
         step = time.monotonic()
         await eventually(lambda: watch() == (2, 6), "scale-up to the model's 2 prefillers and 6 decoders", 20)
         up_after_s = time.monotonic() - step

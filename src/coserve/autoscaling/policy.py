@@ -9,20 +9,22 @@ argument), so every rule is tested table-driven and by properties.
 Rules, in order:
 
 1. **Proactive.** The provisioning model is re-run with the measured workload
-   (R, L_in, L_d, W; any the router has no sample of yet falls back to
+   (R times ``rate_headroom``, for the rate's rise while new replicas start;
+   L_in, L_d, W; any the router has no sample of yet falls back to
    ``spec.workload``): its prefillers and decoders (with the spec's headroom)
    are the recommendation. No arrivals at all recommends each role's minimum.
 2. **Reactive guard.** Decoders: when the mean KV occupancy has stayed at or
    above ``kv_usage_high`` for two evaluations in a row, at least
    ``current + step`` (a quarter of current, at least one). Prefillers: when
    the mean queue per prefiller is at or above ``queue_high`` and grew since
-   the last evaluation, at least ``current + 1``. The guard catches what the
+   the last evaluation, at least ``current + step``. The guard catches what the
    model misses (a profile slower than measured, a burst inside the rate window).
 3. **Bounds.** Each role within its ``[minReplicas, maxReplicas]``.
 4. **Stability.** Scale up at once. Scale down only to the highest
    recommendation of the last ``stabilization_window_s`` (so load must stay low
-   for the whole window), and by at most a quarter of current (at least one)
-   per evaluation. Load hovering at a boundary keeps the higher count.
+   for the whole window), only when that is more than ``down_tolerance`` (10 %)
+   below current, and by at most a quarter of current (at least one) per
+   evaluation. Load hovering at a boundary keeps the higher count.
 
 Missing data is never read as low load: the caller holds replicas where they
 are (``hold``) when Prometheus cannot be read or has no arrival rate.
@@ -84,6 +86,8 @@ class Thresholds:
     kv_usage_high: float = 0.85
     queue_high: float = 4.0
     down_step_fraction: float = 0.25
+    rate_headroom: float = 1.2  # the model runs at this multiple of the measured rate
+    down_tolerance: float = 0.1  # a role scales down only when the recommendation is this fraction below it
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,10 @@ def _step(current: int, fraction: float) -> int:
 def _proactive(
     spec: SpecModel, profile: EngineProfile | None, signals: Signals, thresholds: Thresholds
 ) -> tuple[Replicas, str]:
-    rate = signals.arrival_rate_per_s or 0.0
-    if rate <= 0:
+    measured_rate = signals.arrival_rate_per_s or 0.0
+    if measured_rate <= 0:
         return thresholds.min_replicas, "no conversations arriving: each role's minimum"
+    rate = measured_rate * thresholds.rate_headroom
     workload = spec.workload
     measured = workload.model_copy(
         update={
@@ -123,8 +128,9 @@ def _proactive(
     )
     plan = plan_for(spec.model_copy(update={"workload": measured}), profile)
     return Replicas(plan.prefillers, plan.decoders), (
-        f"the model at R={rate:.3g}/s, L_in={measured.input_tokens}, L_d={measured.output_tokens}, "
-        f"W={measured.lifetime_s:.3g}s wants {plan.prefillers} prefillers and {plan.decoders} decoders"
+        f"the model at R={measured_rate:.3g}/s (x{thresholds.rate_headroom:g} headroom), L_in={measured.input_tokens}, "
+        f"L_d={measured.output_tokens}, W={measured.lifetime_s:.3g}s wants {plan.prefillers} prefillers and "
+        f"{plan.decoders} decoders"
     )
 
 
@@ -152,8 +158,9 @@ def decide(
         reasons.append(f"decoder KV occupancy {signals.decoder_kv_usage:.0%} stayed >= {limits.kv_usage_high:.0%}")
     queue = signals.prefiller_queue
     grew = queue is not None and last_prefiller_queue is not None and queue > last_prefiller_queue
-    if queue is not None and queue >= limits.queue_high and grew and recommended.prefillers <= current.prefillers:
-        recommended = replace(recommended, prefillers=current.prefillers + 1)
+    if queue is not None and queue >= limits.queue_high and grew:
+        more = current.prefillers + _step(current.prefillers, 0.25)
+        recommended = replace(recommended, prefillers=max(recommended.prefillers, more))
         reasons.append(f"prefiller queue {queue:.1f} per replica >= {limits.queue_high:g} and growing")
 
     recommended = Replicas(
@@ -176,7 +183,8 @@ def decide(
             continue
         highest = max(getattr(h, role) for h in window)
         floor = have - _step(have, limits.down_step_fraction)
-        chosen[role] = min(have, max(highest, floor, want)) if covered else have
+        worth_it = highest < have * (1 - limits.down_tolerance)
+        chosen[role] = min(have, max(highest, floor, want)) if covered and worth_it else have
         if chosen[role] < have:
             reasons.append(f"{role} {have} -> {chosen[role]}: low for {limits.stabilization_window_s:g}s")
         else:
