@@ -43,6 +43,7 @@ Writes benchmarks/results/autoscaling.json and autoscaling.png.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from collections import deque
@@ -54,7 +55,7 @@ from _harness import RESULTS, azure_conversation_trace, say, write_result
 
 from coserve.api.parse import parse_pool
 from coserve.api.spec import SpecModel
-from coserve.autoscaling.policy import Recommendation, Replicas, Signals, Thresholds, decide
+from coserve.autoscaling.policy import Replicas, Signals, Thresholds, decide
 from coserve.provisioning import plan_for
 
 POOL: dict[str, Any] = {
@@ -124,7 +125,7 @@ def simulate(name: str, spec: SpecModel, curve: list[tuple[float, float, float]]
     plan = plan_for(spec)
     profile = spec.profile
     latency = profile.prefill_latency
-    assert latency is not None and profile.decode_throughput_tokens_per_s and profile.kv_capacity_tokens  # noqa: S101
+    assert latency is not None and profile.decode_throughput_tokens_per_s and profile.kv_capacity_tokens
     decode_tps = profile.decode_throughput_tokens_per_s
     slo_s = spec.priority_classes[0].ttft_slo_ms / 1000
     lifetime_s = spec.workload.lifetime_s
@@ -227,8 +228,8 @@ def summarize(run: Run) -> dict[str, Any]:
     changes = {}
     for index, role in enumerate(("prefillers", "decoders")):
         series = [r[index] for r in run.replicas]
-        moves = [b > a for a, b in zip(series, series[1:], strict=False) if b != a]
-        changes[role] = sum(1 for a, b in zip(moves, moves[1:], strict=False) if a != b)
+        moves = [b > a for a, b in itertools.pairwise(series) if b != a]
+        changes[role] = sum(1 for a, b in itertools.pairwise(moves) if a != b)
     return {
         "slo_violation_minutes": violated,
         "minutes": minutes,
@@ -270,16 +271,16 @@ def main() -> int:
     curve = load_curve(args.speedup, args.scale)
     steps = load_steps(curve)
     say(f"{len(curve)} simulated seconds ({args.speedup:g}x sped up), {steps} load steps")
-    ours = summarize(simulate("coserve", spec, curve, coserve_decider(spec, thresholds), args))
     baseline_run = simulate("threshold", spec, curve, threshold_decider(
         thresholds, args.baseline_decoder_target, args.baseline_prefiller_target), args)  # fmt: skip
     baseline = summarize(baseline_run)
     coserve_run = simulate("coserve", spec, curve, coserve_decider(spec, thresholds), args)
+    ours = summarize(coserve_run)
     sweep = []
     for decoder_target in (16, 32, 64, 128, 256):
         for prefiller_target in (0.5, 1, 2, 4):
-            result = summarize(simulate("threshold", spec, curve, threshold_decider(thresholds, decoder_target,
-                                                                                    prefiller_target), args))  # fmt: skip
+            rule = threshold_decider(thresholds, decoder_target, prefiller_target)
+            result = summarize(simulate("threshold", spec, curve, rule, args))
             sweep.append({"decoder_target": decoder_target, "prefiller_target": prefiller_target, **result})
     dominated_by = [s for s in sweep if s["slo_violation_minutes"] <= ours["slo_violation_minutes"]
                     and s["replica_hours"] <= ours["replica_hours"]]  # fmt: skip
@@ -312,7 +313,7 @@ def main() -> int:
             "coserve": ours,
             "baseline": {"name": "HPA/KEDA-style threshold on running+waiting requests per pod",
                          "decoder_target": args.baseline_decoder_target,
-                         "prefiller_target": args.baseline_prefiller_target, **baseline},  # fmt: skip
+                         "prefiller_target": args.baseline_prefiller_target, **baseline},
             "baseline_sweep": sweep,
             "baseline_settings_at_least_as_good_on_both": len(dominated_by),
             "setup": {k: getattr(args, k) for k in ("speedup", "scale", "interval", "window", "startup")}
@@ -331,7 +332,8 @@ def plot(curve: list[tuple[float, float, float]], ours: Run, baseline: Run) -> N
 
     minutes = [s / 60 for s in range(len(curve))]
     figure, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
-    axes[0].plot(minutes, [sum(c[0] for c in curve[max(0, i - 60) : i + 1]) / min(i + 1, 61) for i in range(len(curve))])
+    smooth = [sum(c[0] for c in curve[max(0, i - 60) : i + 1]) / min(i + 1, 61) for i in range(len(curve))]
+    axes[0].plot(minutes, smooth)
     axes[0].set_ylabel("conversations/s")
     for index, role in enumerate(("prefillers", "decoders")):
         axes[index + 1].plot(minutes, [r[index] for r in ours.replicas], label="coserve")
