@@ -136,6 +136,7 @@ def simulate(name: str, spec: SpecModel, curve: list[tuple[float, float, float]]
     queue_tokens = 0.0
     window: deque[tuple[float, float, float]] = deque(maxlen=120)  # Prometheus's 2-minute rate window
     live: deque[float] = deque(maxlen=int(lifetime_s))  # conversations arriving in the last W seconds
+    processed_window: deque[float] = deque(maxlen=120)  # prompt tokens the prefillers processed
     for second, (requests, prompt, output) in enumerate(curve):
         window.append((requests, prompt, output))
         live.append(requests)
@@ -143,7 +144,9 @@ def simulate(name: str, spec: SpecModel, curve: list[tuple[float, float, float]]
         mean_prompt = prompt / requests if requests else spec.workload.input_tokens
         one_prefill = latency.constant_s + latency.per_token_s * mean_prompt
         capacity = prefillers * mean_prompt / one_prefill if prefillers else 0.0  # tokens/s
+        processed = min(queue_tokens + prompt, capacity)
         queue_tokens = max(0.0, queue_tokens + prompt - capacity)
+        processed_window.append(processed)
         ttft = (queue_tokens / capacity if capacity else math.inf) + one_prefill
         conversations = sum(live) * lifetime_s / max(1, len(live))  # R·W
         slots = decoders * math.floor(profile.kv_capacity_tokens / (mean_prompt + output / max(requests, 1e-9)))
@@ -158,6 +161,8 @@ def simulate(name: str, spec: SpecModel, curve: list[tuple[float, float, float]]
                 "input": sum(w[1] for w in window) / max(1e-9, sum(w[0] for w in window)),
                 "output": sum(w[2] for w in window) / max(1e-9, sum(w[0] for w in window)),
                 "queue": (queue_tokens / mean_prompt) / max(1, prefillers),  # requests waiting per prefiller
+                # avg(rate(vllm:prompt_tokens_total)) over the prefillers that serve
+                "prefill_tokens": sum(processed_window) / len(processed_window) / max(1, prefillers),
                 "kv": min(1.0, conversations / slots) if slots else 1.0,
                 "running": conversations,  # running conversations on decoders (vllm:num_requests_running)
                 "prefillers_ready": prefillers,
@@ -178,6 +183,7 @@ def coserve_decider(spec: SpecModel, thresholds: Thresholds) -> Decider:
         signals = Signals(
             arrival_rate_per_s=seen["rate"], input_tokens=seen["input"], output_tokens=seen["output"],
             lifetime_s=spec.workload.lifetime_s, prefiller_queue=seen["queue"], decoder_kv_usage=seen["kv"],
+            prefill_tokens_per_s=seen["prefill_tokens"],
         )  # fmt: skip
         decision = decide(spec, signals, current, float(second), thresholds=thresholds, history=state["history"],
                           kv_high_evaluations=state["kv_high"], last_prefiller_queue=state["queue"])  # fmt: skip

@@ -186,3 +186,20 @@ def test_a_steady_low_load_scales_down_once_the_window_has_passed() -> None:
             assert decision.replicas == current, f"down at {second} s, before the window passed"
         current, history = decision.replicas, decision.history
     assert current == planned(0.5)
+
+
+@pytest.mark.parametrize(
+    ("tokens_per_s", "queue", "prefillers"),
+    [
+        (4000.0, 5.0, 5),  # busy at 4,000 tokens/s each, not the profile's 9,524: ceil(10/s x 2000 / 4000)
+        (9524.0, 5.0, None),  # busy at the profile's speed: the model's count stands
+        (4000.0, 0.0, None),  # not busy: a low token rate is low load, not slow prefillers
+    ],
+)
+def test_busy_prefillers_slower_than_the_profile_size_the_prefillers(
+    tokens_per_s: float, queue: float, prefillers: int | None
+) -> None:
+    signals = Signals(arrival_rate_per_s=10.0, prefill_tokens_per_s=tokens_per_s, prefiller_queue=queue)
+    decision = run(signals, Replicas(2, 6))
+    expected = planned(10.0).prefillers if prefillers is None else prefillers
+    assert decision.recommended.prefillers == expected

@@ -409,7 +409,7 @@ class AutoscalingQueries(ApiModel):
         default=None,
         min_length=1,
         max_length=4096,
-        description="prefillTokensRate is the PromQL for prompt tokens the prefillers take per second.",
+        description="prefillTokensRate is the PromQL for prompt tokens one prefiller processes per second (mean).",
     )
     prefiller_queue: str | None = Field(
         default=None,

@@ -139,7 +139,9 @@ class AutoscalingSignals(ApiModel):
     output_tokens: float | None = Field(default=None, ge=0, description="outputTokens is L_d measured.")
     lifetime_s: float | None = Field(default=None, ge=0, description="lifetimeS is W measured.")
     prefill_tokens_per_s: float | None = Field(
-        default=None, ge=0, description="prefillTokensPerS is the prompt tokens the prefillers take per second."
+        default=None,
+        ge=0,
+        description="prefillTokensPerS is the prompt tokens one prefiller processes per second (mean).",
     )
     prefiller_queue: float | None = Field(
         default=None, ge=0, description="prefillerQueue is the mean requests waiting per prefiller."

@@ -12,7 +12,9 @@ Rules, in order:
    (R times ``rate_headroom``, for the rate's rise while new replicas start;
    L_in, L_d, W; any the router has no sample of yet falls back to
    ``spec.workload``): its prefillers and decoders (with the spec's headroom)
-   are the recommendation. No arrivals at all recommends each role's minimum.
+   are the recommendation. When the prefillers are busy (a queue) and process
+   fewer tokens per replica than the profile's T_p, the measured T_p sizes the
+   prefillers instead. No arrivals at all recommends each role's minimum.
 2. **Reactive guard.** Decoders: when the mean KV occupancy has stayed at or
    above ``kv_usage_high`` for two evaluations in a row, at least
    ``current + step`` (a quarter of current, at least one). Prefillers: when
@@ -55,7 +57,7 @@ class Signals:
     input_tokens: float | None = None  # L_in, mean turn-1 prompt tokens
     output_tokens: float | None = None  # L_d, mean output tokens per conversation
     lifetime_s: float | None = None  # W, mean conversation lifetime
-    prefill_tokens_per_s: float | None = None  # input tokens the prefillers take per second
+    prefill_tokens_per_s: float | None = None  # prompt tokens one prefiller processes per second (mean over them)
     prefiller_queue: float | None = None  # mean requests waiting per prefiller
     decoder_kv_usage: float | None = None  # mean vllm:kv_cache_usage_perc over decoders (0..1)
     decoder_waiting: float | None = None  # requests waiting on decoders, summed
@@ -111,7 +113,7 @@ def _step(current: int, fraction: float) -> int:
 
 
 def _proactive(
-    spec: SpecModel, profile: EngineProfile | None, signals: Signals, thresholds: Thresholds
+    spec: SpecModel, profile: EngineProfile | None, signals: Signals, thresholds: Thresholds, current: Replicas
 ) -> tuple[Replicas, str]:
     measured_rate = signals.arrival_rate_per_s or 0.0
     if measured_rate <= 0:
@@ -127,11 +129,24 @@ def _proactive(
         }
     )
     plan = plan_for(spec.model_copy(update={"workload": measured}), profile)
-    return Replicas(plan.prefillers, plan.decoders), (
+    why = (
         f"the model at R={measured_rate:.3g}/s (x{thresholds.rate_headroom:g} headroom), L_in={measured.input_tokens}, "
         f"L_d={measured.output_tokens}, W={measured.lifetime_s:.3g}s wants {plan.prefillers} prefillers and "
         f"{plan.decoders} decoders"
     )
+    prefillers = plan.prefillers
+    # NOTE: prefillers with a queue are busy all the time, so their token rate is their real T_p; a profile
+    # that promised more (another GPU, a longer prompt mix) is corrected here, not left to the queue guard.
+    busy = signals.prefiller_queue is not None and signals.prefiller_queue >= 1
+    if busy and signals.prefill_tokens_per_s:
+        measured_tp = signals.prefill_tokens_per_s
+        if measured_tp < 0.9 * plan.prefill_throughput_tokens_per_s:
+            prefillers = max(prefillers, math.ceil(rate * measured.input_tokens / measured_tp))
+            why += (
+                f"; busy prefillers measure T_p = {measured_tp:,.0f} tokens/s against the profile's "
+                f"{plan.prefill_throughput_tokens_per_s:,.0f}: {prefillers} prefillers"
+            )
+    return Replicas(prefillers, plan.decoders), why
 
 
 def decide(
@@ -149,7 +164,7 @@ def decide(
     """One evaluation (module rules). ``InvalidInput`` when the model rejects the measured workload (a
     conversation larger than a decoder's KV cache, say); the caller holds and reports it."""
     limits = thresholds or Thresholds()
-    recommended, why = _proactive(spec, profile, signals, limits)
+    recommended, why = _proactive(spec, profile, signals, limits, current)
     reasons = [why]
 
     kv_high = kv_high_evaluations + 1 if (signals.decoder_kv_usage or 0.0) >= limits.kv_usage_high else 0

@@ -38,7 +38,7 @@ DEFAULT_QUERIES: dict[str, str] = {
         "sum(rate(coserve_router_conversation_lifetime_seconds_sum{{selector}}[10m]))"
         " / sum(rate(coserve_router_conversation_lifetime_seconds_count{{selector}}[10m]))"
     ),
-    "prefillTokensRate": "sum(rate(coserve_router_prefill_tokens_total{{selector}}[2m]))",
+    "prefillTokensRate": 'avg(rate(vllm:prompt_tokens_total{{selector},role="prefiller"}[2m]))',
     "prefillerQueue": 'avg(vllm:num_requests_waiting{{selector},role="prefiller"})',
     "decoderKvUsage": 'avg(vllm:kv_cache_usage_perc{{selector},role="decoder"})',
     "decoderWaiting": 'sum(vllm:num_requests_waiting{{selector},role="decoder"})',

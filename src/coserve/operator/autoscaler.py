@@ -142,7 +142,10 @@ class Autoscaler:
     async def run_forever(self, tick_s: float = 1.0) -> None:
         while True:
             await asyncio.sleep(tick_s)
-            for namespace, name in self.cache.names(KIND):
+            pools = self.cache.names(KIND)
+            for gone in set(self._due) - set(pools):  # deleted pools
+                del self._due[gone]
+            for namespace, name in pools:
                 body = self.cache.get(KIND, namespace, name) or {}
                 scaling = ((body.get("spec") or {}).get("autoscaling")) or {}
                 if not scaling.get("enabled"):
