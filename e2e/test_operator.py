@@ -135,3 +135,34 @@ def test_deleting_the_pool_garbage_collects_its_children(
     wait_until(lambda: all(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "the seven children", 120)
     kubectl("delete", "coservepool", POOL, "-n", namespace, "--wait=true", "--timeout=60s")
     wait_until(lambda: not any(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "garbage collection", 120)
+
+
+def test_an_autoscaled_pool_without_prometheus_holds_its_replicas_and_says_why(
+    kubectl: Kubectl, namespace: str, operator: None
+) -> None:
+    # The real status subresource validates status.autoscaling against the CRD's schema, which kmock cannot.
+    name = "e2e-autoscaled"
+    document = yaml.safe_load(EXAMPLE.read_text())
+    document["metadata"] = {"name": name, "namespace": namespace}
+    document["spec"]["autoscaling"] = {
+        "enabled": True,
+        "prometheusUrl": "http://127.0.0.1:1",  # nothing listens there
+        "evaluationIntervalS": 2,
+    }
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(document))
+    try:
+
+        def held() -> bool:
+            status = (get_json(kubectl, namespace, "coservepool", name) or {}).get("status") or {}
+            found = {c["type"]: c for c in status.get("conditions") or []}.get("AutoscalingActive")
+            return bool(found and found["reason"] == "PrometheusUnreachable" and status.get("autoscaling"))
+
+        wait_until(held, "AutoscalingActive=False, reason PrometheusUnreachable", 120)
+        body = get_json(kubectl, namespace, "coservepool", name) or {}
+        condition = next(c for c in body["status"]["conditions"] if c["type"] == "AutoscalingActive")
+        assert condition["status"] == "False" and "replicas held" in condition["message"]
+        plan = body["status"]["plan"]
+        decoder = get_json(kubectl, namespace, "deployment", f"{name}-decoder") or {}
+        assert decoder["spec"]["replicas"] == plan["decoders"]  # held at the plan, never scaled on missing data
+    finally:
+        kubectl("delete", "coservepool", name, "-n", namespace, "--ignore-not-found", "--wait=false", check=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,6 +162,23 @@ def test_status_round_trips_through_the_crd_schema() -> None:
             by_alias=True, exclude_none=True
         )
     )
+    jsonschema.Draft4Validator(openapi_schema()["properties"]["status"]).validate(status.to_wire())
+
+
+def test_an_autoscaling_status_validates_against_the_crd_schema() -> None:
+    # what coserve.operator.autoscaler writes: signals (some absent), counts, the window's history
+    autoscaling = {
+        "lastEvaluationTime": "2026-12-03T06:30:52Z",
+        "signals": {"arrivalRatePerS": 0.5, "inputTokens": 2000.0, "decoderKvUsage": 0.3},
+        "recommended": {"prefillers": 1, "decoders": 1},
+        "desired": {"prefillers": 1, "decoders": 2},
+        "reason": "decoders held at 2: 1 recommended, waiting out the stabilization window",
+        "history": [{"at": 1796279452.9, "prefillers": 1, "decoders": 1}],
+        "kvHighEvaluations": 0,
+        "prefillerQueue": 0.0,
+    }
+    status = StatusModel.model_validate_json(json.dumps({"autoscaling": autoscaling}))
+    assert status.to_wire()["autoscaling"] == autoscaling
     jsonschema.Draft4Validator(openapi_schema()["properties"]["status"]).validate(status.to_wire())
 
 
