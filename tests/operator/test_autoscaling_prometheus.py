@@ -15,7 +15,6 @@ import contextlib
 import copy
 import itertools
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -31,18 +30,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from coserve.operator.autoscaler import PrometheusError, query_prometheus
 from operator_kmock import MERGE, NS, POOL, POOLS, POOLS_URL, condition, events, eventually, running_operator
+from router_served import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (`make test` installs Debian's)"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ScriptedPool:

@@ -100,6 +100,15 @@ def _scaled(length: int, scale: float) -> int:
     return max(1, round(length * scale))
 
 
+def _lengths(
+    prompt: object, answer: object, scale: float, max_input: int | None, max_output: int | None
+) -> tuple[int, int]:
+    """A trace row's prompt and answer lengths, scaled and capped."""
+    length = _scaled(int(prompt), scale)  # type: ignore[call-overload]
+    output = _scaled(int(answer), scale)  # type: ignore[call-overload]
+    return (min(length, max_input) if max_input else length), (min(output, max_output) if max_output else output)
+
+
 def from_mooncake(
     rows: Iterable[Mapping[str, object]],
     *,
@@ -128,12 +137,8 @@ def from_mooncake(
             prompt: list[int] = []
             for hash_id in row["hash_ids"]:  # type: ignore[attr-defined]
                 prompt += _tokens(random.Random(int(hash_id)), block)  # noqa: S311 - a block's tokens from its id
-            length = _scaled(int(row["input_length"]), scale)  # type: ignore[call-overload]
-            if max_input_tokens is not None:
-                length = min(length, max_input_tokens)
-            output = _scaled(int(row["output_length"]), scale)  # type: ignore[call-overload]
-            if max_output_tokens is not None:
-                output = min(output, max_output_tokens)
+            length, output = _lengths(row["input_length"], row["output_length"], scale, max_input_tokens,
+                                      max_output_tokens)  # fmt: skip
             arrival = float(row["timestamp"]) / 1000.0 / speedup  # type: ignore[arg-type]
             steps.append(Turn(tuple(prompt[:length]), output, arrival_s=arrival))
         start = steps[0].arrival_s or 0.0
@@ -161,12 +166,8 @@ def from_azure(
             break
         stamp = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
         origin = origin or stamp
-        length = _scaled(int(row["ContextTokens"]), scale)
-        if max_input_tokens is not None:
-            length = min(length, max_input_tokens)
-        output = _scaled(int(row["GeneratedTokens"]), scale)
-        if max_output_tokens is not None:
-            output = min(output, max_output_tokens)
+        length, output = _lengths(row["ContextTokens"], row["GeneratedTokens"], scale, max_input_tokens,
+                                  max_output_tokens)  # fmt: skip
         arrival = (stamp - origin).total_seconds() / speedup
         turn = Turn(tuple(_tokens(rng, length)), output, arrival_s=arrival)
         result.append(Conversation(f"azure-{index}", arrival, (turn,)))
