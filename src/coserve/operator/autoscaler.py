@@ -140,24 +140,27 @@ class Autoscaler:
         await self.http.aclose()
 
     async def run_forever(self, tick_s: float = 1.0) -> None:
+        """Evaluate every due pool each tick, concurrently: one pool's slow Prometheus delays no other."""
         while True:
             await asyncio.sleep(tick_s)
             pools = self.cache.names(KIND)
             for gone in set(self._due) - set(pools):  # deleted pools
                 del self._due[gone]
+            due = []
             for namespace, name in pools:
                 body = self.cache.get(KIND, namespace, name) or {}
                 scaling = ((body.get("spec") or {}).get("autoscaling")) or {}
-                if not scaling.get("enabled"):
+                if not scaling.get("enabled") or time.monotonic() < self._due.get((namespace, name), 0.0):
                     continue
-                if time.monotonic() < self._due.get((namespace, name), 0.0):
-                    continue
-                interval = scaling.get("evaluationIntervalS", 30)
-                self._due[(namespace, name)] = time.monotonic() + float(interval)
-                try:
-                    await self.evaluate(namespace, name)
-                except Exception:  # one pool's failure must not stop the others' autoscaling
-                    logger.exception("%s/%s: autoscaling evaluation failed", namespace, name)
+                self._due[(namespace, name)] = time.monotonic() + float(scaling.get("evaluationIntervalS", 30))
+                due.append((namespace, name))
+            await asyncio.gather(*(self._evaluate_logged(namespace, name) for namespace, name in due))
+
+    async def _evaluate_logged(self, namespace: str, name: str) -> None:
+        try:
+            await self.evaluate(namespace, name)
+        except Exception:  # one pool's failure must not stop the others' autoscaling
+            logger.exception("%s/%s: autoscaling evaluation failed", namespace, name)
 
     async def evaluate(self, namespace: str, name: str) -> Decision | None:
         """One evaluation (module docstring); the decision, or ``None`` when replicas were held."""
