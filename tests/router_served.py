@@ -78,6 +78,7 @@ class FakeEngine:
             return PlainTextResponse(
                 f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\n'
                 f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
+                'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100",prefix_caching="True"} 1.0\n'
             )
 
         app = Starlette(

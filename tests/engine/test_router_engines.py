@@ -72,7 +72,8 @@ def local_pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         )
         router = Served(build_app(config))
         try:
-            yield {"router": router.url, "decoders": {s.base: s for s in servers[1:]}}
+            yield {"router": router.url, "decoders": {s.base: s for s in servers[1:]},
+                   "state": router.server.config.app.router}  # fmt: skip
         finally:
             router.stop()
     finally:
@@ -103,6 +104,8 @@ def test_coserve_bench_replays_agentic_conversations_through_the_pool(
     assert all(r["output_tokens"] == 4 for r in report["records"])
     assert report["ttfet_s"]["p50"] > 0
     now_loaded, now_cached = prefix_hits(decoders)
+    # the router read each decoder's KV capacity from vllm:cache_config_info (admitted tokens count against it)
+    assert all(local_pool["state"].decoders[url].kv_capacity_tokens > 0 for url in decoders)
     assert now_loaded - loaded >= 2 * 2 * 128  # turn 1s' KV came from the prefiller (2 full blocks each)
     assert now_cached - cached >= 2 * 2 * 128  # turn 2s found it in their decoder's cache
 

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
@@ -99,3 +100,28 @@ def test_the_workload_signals_the_autoscaler_reads() -> None:
         router.stop()
         prefiller.served.stop()
         decoder.served.stop()
+
+
+def test_the_poll_reads_each_engines_kv_capacity_so_admitted_tokens_count() -> None:
+    import asyncio
+
+    from coserve.router.app import Router
+
+    decoders = [FakeEngine("a"), FakeEngine("b")]
+    router = Router(parse_router_config({"model": MODEL, "decoders": [d.url for d in decoders]}))
+
+    async def poll_then_admit() -> tuple[int, float]:
+        try:
+            await router.refresh()
+            engine = router.decoders[decoders[0].url]
+            engine.admitted_tokens += 800  # what the router sent since the poll: half of 100 blocks of 16
+            return engine.kv_capacity_tokens, engine.occupancy()
+        finally:
+            await router.close()
+
+    try:
+        capacity, occupancy = asyncio.run(poll_then_admit())
+    finally:
+        for engine in decoders:
+            engine.served.stop()
+    assert capacity == 1600 and occupancy == pytest.approx(0.1 + 0.5)

@@ -19,9 +19,10 @@ Per request to ``/v1/chat/completions`` or ``/v1/completions``:
    marked down, its conversations lose their pins, and the request is retried
    once on another decoder (a re-placement): never silently dropped.
 
-Engines are polled every ``pollS`` for ``vllm:kv_cache_usage_perc`` and
-``vllm:num_requests_waiting``; with ``prefillerService`` / ``decoderService`` the
-headless Services are resolved (DNS) at the same time.
+Engines are polled every ``pollS`` for ``vllm:kv_cache_usage_perc``,
+``vllm:num_requests_waiting`` and their KV capacity (``vllm:cache_config_info``);
+with ``prefillerService`` / ``decoderService`` the headless Services are
+resolved (DNS) at the same time.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ __all__ = ["Router", "RouterApp", "build_app", "error_response"]
 logger = logging.getLogger("coserve.router")
 
 _RETRYABLE = {502, 503, 504}
+_BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
+_BLOCK_SIZE = re.compile(r'block_size="(\d+)"')
 _METRIC = re.compile(r"^(vllm:kv_cache_usage_perc|vllm:num_requests_waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
@@ -247,14 +250,20 @@ class Router:
         except (TimeoutError, aiohttp.ClientError):
             engine.healthy = False
             return
-        usage, waiting = 0.0, 0.0
+        usage, waiting, capacity = 0.0, 0.0, 0
         for line in text.splitlines():
             match = _METRIC.match(line)
             if match and match.group(1) == "vllm:kv_cache_usage_perc":
                 usage = max(usage, float(match.group(2)))
             elif match:
                 waiting += float(match.group(2))
+            elif line.startswith("vllm:cache_config_info{"):
+                # the KV capacity, so tokens admitted since this poll count as occupancy until the next one
+                blocks, size = _BLOCKS.search(line), _BLOCK_SIZE.search(line)
+                if blocks and size:
+                    capacity += int(blocks.group(1)) * int(size.group(1))
         engine.polled(usage, int(waiting))
+        engine.kv_capacity_tokens = capacity or engine.kv_capacity_tokens
 
     # -- requests ---------------------------------------------------------------------------------
 
