@@ -18,6 +18,7 @@ import pytest
 
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
+from coserve.scheduling.config import DEFAULT_CLASSES
 from router_served import MODEL, FakeEngine, Served
 
 
@@ -117,8 +118,11 @@ def test_the_class_is_capped_at_the_tenants_and_forwarded(
     assert post(pool["router"], body, headers=headers).status_code == 200
     forwarded = pool["decoders"][1].requests[-1]
     assert forwarded["vllm_xargs"]["coserve_class"] == expected
-    if asked:
-        assert forwarded["vllm_xargs"]["ttft_slo_ms"] == 900  # the SLO override travels with it
+    slo_ms = {c["name"]: c for c in DEFAULT_CLASSES}[expected]
+    # the class's SLOs travel with it; a client's 900 ms stands only where it relaxes its class's SLO
+    wanted = max(900.0, slo_ms["ttftSloMs"]) if asked else float(slo_ms["ttftSloMs"])
+    assert forwarded["vllm_xargs"]["ttft_slo_ms"] == wanted
+    assert forwarded["vllm_xargs"]["tpot_slo_ms"] == float(slo_ms["tpotSloMs"])
 
 
 @pytest.mark.parametrize(
@@ -133,6 +137,10 @@ def test_the_class_is_capped_at_the_tenants_and_forwarded(
         (json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
         (json.dumps({"model": MODEL, "prompt": "x", "vllm_xargs": {"coserve_class": "gold"}}).encode(), 400,
          "vllm_xargs.coserve_class"),
+        (json.dumps({"model": MODEL, "prompt": "x", "vllm_xargs": {"ttft_slo_ms": -5}}).encode(), 400,
+         "vllm_xargs.ttft_slo_ms"),
+        (json.dumps({"model": MODEL, "prompt": "x", "vllm_xargs": {"tpot_slo_ms": "fast"}}).encode(), 400,
+         "vllm_xargs.tpot_slo_ms"),
         (json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode(), 413, None),
     ],
 )  # fmt: skip

@@ -8,7 +8,9 @@ Per request to ``/v1/chat/completions`` or ``/v1/completions``:
 1. the body is read (at most ``maxBodyBytes``: 413) and checked (400/404 with an
    OpenAI error body naming the field);
 2. its class: what it asks for, capped at its tenant's (``Authorization: Bearer``
-   key in ``tenants``); forwarded as ``vllm_xargs.coserve_class``;
+   key in ``tenants``); forwarded as ``vllm_xargs.coserve_class`` with the
+   class's ``ttft_slo_ms`` and ``tpot_slo_ms`` (a client may relax them, never
+   tighten them);
 3. its conversation: pinned to a decoder already, or placed now (turn 1, or a
    re-placement when the pinned decoder is gone): with prefillers, the prompt is
    prefilled on one (``max_tokens`` 1, ``kv_transfer_params`` asking for a remote
@@ -300,7 +302,16 @@ class Router:
             return error_response(400, str(error), "vllm_xargs.coserve_class")
         body.pop("priority", None)
         body.pop("conversation_id", None)
-        body["vllm_xargs"] = {**xargs, "coserve_class": cls.name}
+        slos = {}
+        for key, floor_ms in (("ttft_slo_ms", cls.ttft_slo_s * 1000), ("tpot_slo_ms", cls.tpot_slo_s * 1000)):
+            asked_ms = xargs.get(key)
+            if asked_ms is not None and (isinstance(asked_ms, bool) or not isinstance(asked_ms, (int, float))
+                                         or asked_ms <= 0):  # fmt: skip
+                return error_response(400, f"must be a positive number of milliseconds, got {asked_ms!r}",
+                                      f"vllm_xargs.{key}")  # fmt: skip
+            # a client may relax its class's SLO, never tighten it: a tighter deadline is a higher priority
+            slos[key] = max(float(asked_ms), floor_ms) if asked_ms is not None else floor_ms
+        body["vllm_xargs"] = {**xargs, "coserve_class": cls.name, **slos}
         conversation = conversation_id(request.headers, body)
         return await self._route(endpoint, body, conversation, cls.name, cls.ttft_slo_s, arrived)
 
@@ -316,7 +327,8 @@ class Router:
         if problem is not None:
             return problem.status_code, bytes(problem.body)
         lowest = max((self.config.classes.get(n) for n in self.config.classes.names), key=lambda c: c.rank)
-        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "coserve_class": lowest.name}
+        slos = {"ttft_slo_ms": lowest.ttft_slo_s * 1000, "tpot_slo_ms": lowest.tpot_slo_s * 1000}
+        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "coserve_class": lowest.name, **slos}
         body.pop("priority", None)
         arrived = self.clock()
         response = await self._route(endpoint, body, conversation_id({}, body), lowest.name, lowest.ttft_slo_s, arrived)
