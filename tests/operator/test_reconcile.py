@@ -250,3 +250,22 @@ def test_status_written_by_others_does_not_break_a_reconcile() -> None:
 )
 def test_drift_only_looks_at_fields_the_operator_sets(desired: Any, observed: Any, paths: list[str]) -> None:
     assert drift(desired, observed) == paths
+
+
+def test_turning_autoscaling_off_clears_its_status_and_says_so() -> None:
+    autoscaled = pool(autoscaling={"enabled": True, "prometheusUrl": "http://prometheus:9090"})
+    observed = applied(autoscaled)
+    body = with_status(autoscaled, observed)
+    body["status"]["autoscaling"] = {"reason": "the model wants 1 prefillers and 2 decoders", "history": []}
+    body["status"]["conditions"].append(
+        {"type": "AutoscalingActive", "status": "True", "reason": "Evaluated", "message": "ok",
+         "lastTransitionTime": "2026-12-02T12:00:00Z"}
+    )  # fmt: skip
+    body["spec"]["autoscaling"]["enabled"] = False
+    result = reconcile(body, observed, LATER)
+    assert result.status["autoscaling"] is None  # the merge patch removes it
+    assert condition(result.status, "AutoscalingActive")["status"] == "False"
+    assert condition(result.status, "AutoscalingActive")["reason"] == "Disabled"
+    body["status"] = {k: v for k, v in result.status.items() if v is not None}  # what the API server then holds
+    again = reconcile(body, observed, LATER)
+    assert "autoscaling" not in again.status and again.status == body["status"]  # and nothing more to write

@@ -289,6 +289,14 @@ def _status(
     else:
         ready = (ConditionStatus.FALSE, "ReplicasNotReady", ", ".join(lagging) or "children are being reconciled")
     conditions = set_condition(conditions, ConditionType.READY, *ready, now, generation)
+    was_autoscaled = previous.autoscaling is not None or any(
+        c.type == ConditionType.AUTOSCALING_ACTIVE and c.status == ConditionStatus.TRUE for c in conditions
+    )
+    if not autoscaled and was_autoscaled:
+        message = "spec.autoscaling.enabled is false: replicas follow the plan"
+        conditions = set_condition(
+            conditions, ConditionType.AUTOSCALING_ACTIVE, ConditionStatus.FALSE, "Disabled", message, now, generation
+        )
 
     status = StatusModel(
         observed_generation=generation,
@@ -299,7 +307,10 @@ def _status(
         decoders=f"{replicas['decoders'].desired}/{replicas['decoders'].ready}",
         autoscaling=previous.autoscaling if autoscaled else None,
     )
-    return status.to_wire()
+    wire = status.to_wire()
+    if not autoscaled and previous.autoscaling is not None:
+        wire["autoscaling"] = None  # a merge patch removes a key only when told to
+    return wire
 
 
 def _invalid(
