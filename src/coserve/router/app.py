@@ -134,7 +134,7 @@ class _Metrics:
         )
         # What the autoscaler reads (the provisioning model's R, L_in, L_d, W and the prefillers' load):
         # R = rate(conversations_total); L_in from conversation_input_tokens; L_d = rate(output_tokens_total)
-        # / R; W from conversation_lifetime_seconds; prefiller input tokens/s = rate(prefill_tokens_total).
+        # / R; W from conversation_lifetime_seconds; prompt tokens sent to each prefiller, prefill_tokens_total.
         self.input_tokens = Histogram(
             "coserve_router_conversation_input_tokens",
             "Turn-1 prompt tokens of new conversations (L_in; the prefiller's count when it answered).",
@@ -232,12 +232,9 @@ class Router:
         except OSError as error:
             logger.warning("cannot resolve %s: %s", service, error)
             return
+        port = self.config.engine_port
         hosts = {str(info[4][0]) for info in infos}
-        urls = {
-            f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
-            for h in hosts
-            for port in [self.config.engine_port]
-        }
+        urls = {f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}" for h in hosts}  # IPv6 in brackets
         for url in urls - set(engines):
             engines[url] = EngineLoad(url)
         for url in set(engines) - urls:
@@ -438,11 +435,13 @@ class Router:
         return error_response(503, "no decoder can take the request now (all full or down); retry shortly")
 
     async def _prefill(self, path: str, body: dict[str, Any], slo_s: float) -> dict[str, Any]:
-        """Turn 1 on a prefiller: its KV goes to the decoder (handoff); on failure the decoder computes it."""
+        """Turn 1 on a prefiller: its KV goes to the decoder (handoff); on failure the decoder computes it.
+        Either way the conversation's L_in is observed (the prefiller's own count when it answered)."""
         tokens = _estimate_tokens(body)
         candidates = list(self.prefillers.values())
-        deadlines = prefill_deadlines(candidates, tokens, slo_s, self.config.prefill_latency)
-        prefiller = choose_gain_oriented(candidates, deadlines)
+        prefiller = choose_gain_oriented(
+            candidates, prefill_deadlines(candidates, tokens, slo_s, self.config.prefill_latency)
+        )
         if prefiller is None:
             self.metrics.input_tokens.observe(tokens)
             return body
@@ -452,6 +451,7 @@ class Router:
         prefill.pop("max_completion_tokens", None)
         prefill.pop("stream_options", None)
         prefiller.admitted_tokens += tokens
+        answer: Any = None
         try:
             async with self.session.post(f"{prefiller.url}{path}", json=prefill) as response:
                 response.raise_for_status()
@@ -459,16 +459,16 @@ class Router:
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             logger.warning("prefill on %s failed (%s): the decoder computes the prompt", prefiller.url, error)
             self.metrics.prefill_failures.inc()
-            self.metrics.input_tokens.observe(tokens)
             if isinstance(error, aiohttp.ClientConnectionError):
                 prefiller.healthy = False
-            return body
-        usage = answer.get("usage") if isinstance(answer, dict) else None
+        answer = answer if isinstance(answer, dict) else {}
+        usage = answer.get("usage")
         counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         tokens = counted if isinstance(counted, int) else tokens
         self.metrics.input_tokens.observe(tokens)
-        self.metrics.prefill_tokens.labels(prefiller.url).inc(tokens)
-        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if answer:
+            self.metrics.prefill_tokens.labels(prefiller.url).inc(tokens)
+        params = answer.get("kv_transfer_params")
         return {**body, "kv_transfer_params": params} if params else body
 
     async def _forward(
