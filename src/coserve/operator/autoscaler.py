@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -204,7 +204,6 @@ class Autoscaler:
         scaling = pool.spec.autoscaling
         overrides: dict[str, str] = scaling.queries.model_dump(by_alias=True, exclude_none=True)
         queries = queries_for(namespace, pool.metadata.name, overrides, scaling.selector)
-        values: dict[str, float | None] = {}
         held = f"replicas held at {current.prefillers} prefillers, {current.decoders} decoders"
         try:
             results = await asyncio.gather(
@@ -212,8 +211,12 @@ class Autoscaler:
             )
         except PrometheusError as error:
             return _Outcome(False, error.reason, f"{error}; {held}"), AutoscalingSignals()
-        values = {SIGNALS[name]: value for name, value in zip(queries, results, strict=True)}
-        seen = AutoscalingSignals(**{k: (max(0.0, v) if v is not None else None) for k, v in values.items()})
+        # signal field -> value; a negative result (a mistaken query) is read as zero, as status requires
+        values = {
+            SIGNALS[name]: max(0.0, value) if value is not None else None
+            for name, value in zip(queries, results, strict=True)
+        }
+        seen = AutoscalingSignals(**values)
         if values["arrival_rate_per_s"] is None:
             message = f"Prometheus has no sample for arrivalRate ({queries['arrivalRate']}); {held}"
             return _Outcome(False, "NoData", message), seen
@@ -230,7 +233,7 @@ class Autoscaler:
         try:
             decision = decide(
                 pool.spec,
-                Signals(**{f.name: values.get(f.name) for f in fields(Signals)}),
+                Signals(**values),
                 current,
                 self.clock().timestamp(),
                 profile=profile,
