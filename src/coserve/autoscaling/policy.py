@@ -168,8 +168,9 @@ def decide(
     reasons = [why]
 
     kv_high = kv_high_evaluations + 1 if (signals.decoder_kv_usage or 0.0) >= limits.kv_usage_high else 0
-    if kv_high >= 2 and recommended.decoders < current.decoders + _step(current.decoders, 0.25):
-        recommended = replace(recommended, decoders=current.decoders + _step(current.decoders, 0.25))
+    if kv_high >= 2:
+        more = current.decoders + _step(current.decoders, 0.25)
+        recommended = replace(recommended, decoders=max(recommended.decoders, more))
         reasons.append(f"decoder KV occupancy {signals.decoder_kv_usage:.0%} stayed >= {limits.kv_usage_high:.0%}")
     queue = signals.prefiller_queue
     grew = queue is not None and last_prefiller_queue is not None and queue > last_prefiller_queue
@@ -178,10 +179,7 @@ def decide(
         recommended = replace(recommended, prefillers=max(recommended.prefillers, more))
         reasons.append(f"prefiller queue {queue:.1f} per replica >= {limits.queue_high:g} and growing")
 
-    recommended = Replicas(
-        min(max(recommended.prefillers, limits.min_replicas.prefillers), limits.max_replicas.prefillers),
-        min(max(recommended.decoders, limits.min_replicas.decoders), limits.max_replicas.decoders),
-    )
+    recommended = _bounded(recommended, limits)
     now = Recommendation(now_s, recommended.prefillers, recommended.decoders)
     covered = limits.stabilization_window_s <= 0 or any(
         now_s - h.at_s >= limits.stabilization_window_s for h in history
@@ -202,14 +200,21 @@ def decide(
         chosen[role] = min(have, max(highest, floor, want)) if covered and worth_it else have
         if chosen[role] < have:
             reasons.append(f"{role} {have} -> {chosen[role]}: low for {limits.stabilization_window_s:g}s")
-        else:
+        elif not covered or highest >= have:
             reasons.append(f"{role} held at {have}: {want} recommended, waiting out the stabilization window")
-    final = Replicas(
-        min(max(chosen["prefillers"], limits.min_replicas.prefillers), limits.max_replicas.prefillers),
-        min(max(chosen["decoders"], limits.min_replicas.decoders), limits.max_replicas.decoders),
-    )
+        else:
+            reasons.append(f"{role} held at {have}: {highest} recommended is within {limits.down_tolerance:.0%}")
+    final = _bounded(Replicas(chosen["prefillers"], chosen["decoders"]), limits)
     return Decision(final, recommended, tuple(reasons), _prune(history, now, limits.stabilization_window_s), kv_high,
                     queue)  # fmt: skip
+
+
+def _bounded(replicas: Replicas, limits: Thresholds) -> Replicas:
+    low, high = limits.min_replicas, limits.max_replicas
+    return Replicas(
+        min(max(replicas.prefillers, low.prefillers), high.prefillers),
+        min(max(replicas.decoders, low.decoders), high.decoders),
+    )
 
 
 def _prune(history: Sequence[Recommendation], now: Recommendation, window_s: float) -> tuple[Recommendation, ...]:
