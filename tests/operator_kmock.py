@@ -14,7 +14,7 @@ import kmock as kmocklib
 import kopf
 
 from coserve.operator.handlers import build_registry
-from coserve.operator.kube import ClusterAccess
+from coserve.operator.kube import config_for
 from pool_builders import sample_pool
 
 NS = "serving"
@@ -48,6 +48,7 @@ def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
     declare("v1/services", "Service", subresources=frozenset({"status"}))
     declare("v1/configmaps", "ConfigMap")
     declare("v1/events", "Event")
+    declare("coordination.k8s.io/v1/leases", "Lease")
     declare("v1/namespaces", "Namespace", namespaced=False)
     declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
 
@@ -107,7 +108,7 @@ async def running_operator(kmock: kmocklib.KubernetesEmulator, **options: Any) -
     # scanning=False, as `coserve operator -n NS` runs: no namespace or CRD listing (kmock cannot answer the
     # namespace list either).
     registry = build_registry(
-        lambda: ClusterAccess(server=server, verify=False), scanning=False, namespaces=[NS], resync_s=1.0, **options
+        lambda: config_for(server), scanning=False, namespaces=[NS], resync_s=1.0, **options
     )
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0.1

@@ -20,7 +20,7 @@ import pytest
 kopf = pytest.importorskip("kopf")
 
 from coserve.operator.handlers import PoolReconciler  # noqa: E402 - after the importorskip
-from coserve.operator.kube import ClusterAccess, KubeClient  # noqa: E402
+from coserve.operator.kube import KubeClient, config_for  # noqa: E402
 from operator_kmock import (  # noqa: E402
     CHILDREN,
     MERGE,
@@ -169,7 +169,7 @@ async def test_concurrent_triggers_share_a_reconcile_that_started_after_them(
     """Ten triggers at once (a burst of child events): two reconciles, and each caller gets a later one's outcome."""
     declare_resources(kmock)
     server = str(kmock.url).rstrip("/")
-    async with KubeClient(ClusterAccess(server=server, verify=False)) as kube:
+    async with KubeClient(config_for(server)) as kube:
         await kube.create("CoServePool", NS, copy.deepcopy(POOL))
         reconciler = PoolReconciler(kube)
         runs = 0

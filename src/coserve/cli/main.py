@@ -237,11 +237,34 @@ def _add_operator_command(commands: Any) -> None:
         "-n", "--namespace", action="append", metavar="NS", help="watch only NS (repeatable; namespaced mode)"
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    operator.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig file (default: in a pod the service "
+                          "account, else $KUBECONFIG or ~/.kube/config)")  # fmt: skip
+    operator.add_argument("--context", metavar="NAME", help="kubeconfig context (default: the current one)")
     peers = operator.add_mutually_exclusive_group()
     peers.add_argument(
-        "--peering", metavar="NAME", default="coserve", help="kopf peering name (default: coserve); one replica acts"
+        "--lease",
+        metavar="NAME",
+        default="coserve-operator",
+        help="coordination.k8s.io Lease that elects the one replica that acts (default: coserve-operator)",
     )
-    peers.add_argument("--standalone", action="store_true", help="no peering: only for a single replica")
+    peers.add_argument("--standalone", action="store_true", help="no leader election: only for a single replica")
+    operator.add_argument(
+        "--lease-namespace",
+        metavar="NS",
+        default=os.environ.get("POD_NAMESPACE"),
+        help="namespace of the Lease (default: $POD_NAMESPACE, else the first --namespace, else the "
+        "context's namespace)",
+    )
+    operator.add_argument(
+        "--identity", metavar="ID", default=None, help="this replica's name in the Lease (default: $HOSTNAME-PID)"
+    )
+    operator.add_argument(
+        "--lease-duration-s",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="a silent leader is replaced after S seconds (default: 15; renew deadline 2/3 of it, retry 2/15 of it)",
+    )
     operator.add_argument(
         "--resync-s", type=float, default=30.0, metavar="S", help="re-check every pool every S seconds (default: 30)"
     )
@@ -264,18 +287,41 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         problems.append(Problem("--resync-s", f"must be positive, got {args.resync_s}"))
     if not 0 <= args.metrics_port <= 65535:
         problems.append(Problem("--metrics-port", f"must be a port number (0 = off), got {args.metrics_port}"))
+    if args.lease_duration_s < 1.5:
+        problems.append(Problem("--lease-duration-s", f"must be at least 1.5 seconds, got {args.lease_duration_s}"))
     if problems:
         raise InvalidInput(problems, source="coserve operator")
     import logging
+    import socket
 
     import kopf
     import prometheus_client
 
     from coserve.operator.handlers import build_registry
+    from coserve.operator.kube import KubeError, load_cluster
+    from coserve.operator.leader import LeaseSettings
 
+    try:
+        cluster = load_cluster(args.kubeconfig, args.context)
+    except KubeError as error:
+        raise InvalidInput([Problem("--kubeconfig", error.message)], source="coserve operator") from None
+    lease = None
+    if not args.standalone:
+        namespace = args.lease_namespace or (args.namespace[0] if args.namespace else cluster.namespace) or "default"
+        identity = args.identity or f"{os.environ.get('HOSTNAME') or socket.gethostname()}-{os.getpid()}"
+        duration = args.lease_duration_s
+        lease = LeaseSettings(
+            name=args.lease,
+            namespace=namespace,
+            identity=identity,
+            lease_duration_s=duration,
+            renew_deadline_s=duration * 2 / 3,
+            retry_period_s=duration * 2 / 15,
+        )
     # Namespaced mode: kopf must not list namespaces or CRDs (the chart's Roles do not allow it).
     registry = build_registry(
-        peering=None if args.standalone else args.peering,
+        lambda: cluster,
+        lease=lease,
         scanning=not args.namespace,
         namespaces=args.namespace,
         resync_s=args.resync_s,
@@ -283,13 +329,13 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     kopf.configure(debug=args.log_level == "DEBUG", verbose=False)  # kopf's log format and handler
     logging.getLogger().setLevel(args.log_level)
     if args.log_level != "DEBUG":
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API request otherwise
+        for noisy in ("httpx", "httpx2"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)  # one line per API request otherwise
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)
     kopf.run(
         registry=registry,
-        standalone=args.standalone,
-        peering_name=None if args.standalone else args.peering,
+        standalone=True,  # kopf peering off: the Lease elects the replica that acts
         namespaces=args.namespace or (),
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness,

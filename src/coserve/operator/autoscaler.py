@@ -32,7 +32,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from http import HTTPStatus
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -64,41 +66,103 @@ logger = logging.getLogger("coserve.operator.autoscaler")
 
 
 class PrometheusError(RuntimeError):
-    """A query could not be answered; ``reason`` is the AutoscalingActive condition's reason."""
+    """A query could not be answered; ``reason`` is the AutoscalingActive condition's reason.
+
+    The message goes into the pool's status and a Warning event, which anyone who can read the pool sees,
+    while ``prometheusUrl`` may point anywhere in the cluster: so it is built from fixed words, the query's
+    name, the HTTP status code with its standard phrase and Prometheus' documented ``errorType`` only, never
+    from what the server sent (body, ``error`` string, reason phrase) nor the URL's userinfo.
+    """
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
 
-async def query_prometheus(client: httpx.AsyncClient, base_url: str, promql: str) -> float | None:
-    """One instant query; its single number, ``None`` for no data (empty or NaN)."""
+# the Prometheus HTTP API's documented errorType values (https://prometheus.io/docs/prometheus/latest/querying/api/)
+_PROMETHEUS_ERROR_TYPES = frozenset(
+    {"bad_data", "timeout", "canceled", "execution", "internal", "unavailable", "not_found", "not_acceptable"}
+)
+_RESULT_TYPES = frozenset({"matrix", "vector", "scalar", "string"})
+
+
+def _without_userinfo(url: str) -> str:
+    """``url`` without ``user:password@``, query or fragment: what may be shown in status."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "the configured prometheusUrl"
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+def _http_status(code: int) -> str:
+    """``HTTP 503 Service Unavailable``: the standard phrase, never the server's own."""
+    try:
+        return f"HTTP {code} {HTTPStatus(code).phrase}"
+    except ValueError:
+        return f"HTTP {code}"
+
+
+def _unreachable_phrase(error: Exception) -> str:
+    if isinstance(error, httpx.TimeoutException):
+        return "timed out"
+    if isinstance(error, httpx.ConnectError):
+        return "connection failed"
+    if isinstance(error, httpx.InvalidURL | httpx.UnsupportedProtocol):
+        return "invalid URL"
+    return "request failed"
+
+
+async def query_prometheus(client: httpx.AsyncClient, base_url: str, promql: str, *, name: str) -> float | None:
+    """One instant query, ``name`` (e.g. ``arrivalRate``) in errors; its single number, ``None`` for no data.
+
+    No data is an empty vector, NaN or ±Inf. Errors are ``PrometheusError``s whose messages never quote the
+    server's answer (see the class).
+    """
     url = base_url.rstrip("/") + "/api/v1/query"
     try:
         response = await client.get(url, params={"query": promql})
-    except httpx.HTTPError as error:
-        raise PrometheusError("PrometheusUnreachable", f"{url}: {type(error).__name__}: {error}") from error
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
+        raise PrometheusError(
+            "PrometheusUnreachable",
+            f"Prometheus query {name}: {_without_userinfo(url)} is unreachable, {_unreachable_phrase(error)} "
+            f"({type(error).__name__})",
+        ) from error
     try:
         document = response.json()
-    except ValueError:
-        document = {}
-    if response.status_code != 200 or document.get("status") != "success":
-        detail = document.get("error") or response.text[:200]
-        raise PrometheusError("QueryFailed", f"HTTP {response.status_code} for {promql!r}: {detail}")
-    data = document.get("data") or {}
-    result = data.get("result")
-    if data.get("resultType") == "scalar" and isinstance(result, list):
-        value = float(result[1])
-    elif data.get("resultType") == "vector" and isinstance(result, list):
-        if not result:
-            return None
-        if len(result) > 1:
-            raise PrometheusError(
-                "QueryFailed", f"{promql!r} returns {len(result)} series; aggregate it to one (sum, avg)"
-            )
-        value = float(result[0]["value"][1])
-    else:
-        raise PrometheusError("QueryFailed", f"{promql!r} returns a {data.get('resultType')}, not a number")
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError), or nested too deep
+        document = None
+    if response.status_code != 200 or not isinstance(document, dict) or document.get("status") != "success":
+        problem = f"Prometheus query {name} failed: {_http_status(response.status_code)}"
+        error_type = document.get("errorType") if isinstance(document, dict) else None
+        if isinstance(error_type, str) and error_type in _PROMETHEUS_ERROR_TYPES:
+            problem += f" ({error_type})"
+        elif response.status_code == 200:
+            problem += " but the answer is not JSON" if document is None else " but not a Prometheus success response"
+        raise PrometheusError("QueryFailed", problem)
+    data = document.get("data")
+    data = data if isinstance(data, dict) else {}
+    result, result_type = data.get("result"), data.get("resultType")
+    try:
+        if result_type == "scalar" and isinstance(result, list):
+            value = float(result[1])
+        elif result_type == "vector" and isinstance(result, list):
+            if not result:
+                return None
+            if len(result) > 1:
+                raise PrometheusError(
+                    "QueryFailed",
+                    f"Prometheus query {name} returns {len(result)} series; aggregate it to one (sum, avg)",
+                )
+            value = float(result[0]["value"][1])
+        else:
+            known = isinstance(result_type, str) and result_type in _RESULT_TYPES
+            shown = f"a {result_type}" if known else "an unknown result type"
+            raise PrometheusError("QueryFailed", f"Prometheus query {name} returns {shown}, not a number")
+    except (LookupError, TypeError, ValueError) as error:  # a malformed sample; its text is not shown
+        raise PrometheusError(
+            "QueryFailed", f"Prometheus query {name} returns a sample that is not a number"
+        ) from error
     return None if math.isnan(value) or math.isinf(value) else value
 
 
@@ -124,6 +188,7 @@ class Autoscaler:
         read_profile: ProfileReader,
         post_event: Callable[[str, Mapping[str, Any], PoolEvent], Awaitable[None]],
         lock_for: Callable[[str, str], asyncio.Lock],
+        acting: Callable[[], bool] = lambda: True,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         timeout_s: float = 10.0,
     ) -> None:
@@ -132,6 +197,7 @@ class Autoscaler:
         self.read_profile = read_profile
         self.post_event = post_event
         self.lock_for = lock_for
+        self.acting = acting  # False on a replica that does not hold the Lease: evaluate nothing
         self.clock = clock
         self.http = httpx.AsyncClient(timeout=timeout_s)
         self._due: dict[tuple[str, str], float] = {}  # (namespace, name) -> monotonic time of the next evaluation
@@ -143,6 +209,9 @@ class Autoscaler:
         """Evaluate every due pool each tick, concurrently: one pool's slow Prometheus delays no other."""
         while True:
             await asyncio.sleep(tick_s)
+            if not self.acting():
+                self._due.clear()  # on taking over, evaluate every pool at once
+                continue
             pools = self.cache.names(KIND)
             for gone in set(self._due) - set(pools):  # deleted pools
                 del self._due[gone]
@@ -207,7 +276,10 @@ class Autoscaler:
         held = f"replicas held at {current.prefillers} prefillers, {current.decoders} decoders"
         try:
             results = await asyncio.gather(
-                *(query_prometheus(self.http, str(scaling.prometheus_url), q) for q in queries.values())
+                *(
+                    query_prometheus(self.http, str(scaling.prometheus_url), q, name=query)
+                    for query, q in queries.items()
+                )
             )
         except PrometheusError as error:
             return _Outcome(False, error.reason, f"{error}; {held}"), AutoscalingSignals()

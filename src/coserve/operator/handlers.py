@@ -7,7 +7,8 @@ default registry. Tests build a registry against kmock's Kubernetes emulator.
 When a reconcile runs (always the whole pool; triggers that arrive while one
 runs are coalesced into the next):
 
-- the pool is created, its spec changes, or the operator starts (resume);
+- the pool is created or changes (every watch event that is news to the cache),
+  or this replica starts acting (start-up, or taking the Lease over);
 - every ``resync_s`` seconds for every known pool, after listing all pools and
   managed children afresh (what a lost watch event hid shows up), which also
   picks up readiness changes;
@@ -31,37 +32,40 @@ Pools with ``spec.autoscaling.enabled`` are also evaluated by the autoscaler
 (``coserve.operator.autoscaler``) every ``evaluationIntervalS``, under the same
 per-pool lock as reconciles.
 
-Two operator replicas never both act: kopf peering (``--peering NAME``, the
-chart's default) pauses every replica but the one with the highest priority;
-``--standalone`` turns peering off for a single replica.
+Two operator replicas never both act: they elect one through a
+``coordination.k8s.io`` Lease (``coserve.operator.leader``; ``--lease NAME``, the
+default). Every replica watches and keeps its cache warm; only the Lease holder
+reconciles, resyncs, autoscales and posts Events. ``--standalone`` skips the
+election for a single replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 import kopf
 import yaml
+from lightkube.config.kubeconfig import SingleConfig
 
 from coserve import __version__
-from coserve.api.conditions import rfc3339
 from coserve.api.parse import parse_profile
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import GROUP, KIND, PLURAL, VERSION
 from coserve.operator.autoscaler import Autoscaler
 from coserve.operator.cache import ObjectCache
-from coserve.operator.kube import ClusterAccess, KubeClient, KubeError
+from coserve.operator.events import EventRecorder
+from coserve.operator.kube import KubeClient, KubeError, describe, fetch_credential
+from coserve.operator.leader import LeaderElector, LeaseSettings
 from coserve.operator.metrics import CHILD_CHANGES, POOLS, RECONCILE_SECONDS, RECONCILES
 from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
 from coserve.operator.resources import CHILDREN, MANAGED_BY, MANAGED_BY_LABEL, child_keys
@@ -102,6 +106,7 @@ class PoolReconciler:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self.kube = kube
+        self.events = EventRecorder(kube, clock=clock)
         self.cache = cache if cache is not None else ObjectCache()
         self.image_tag = image_tag
         self.clock = clock
@@ -221,36 +226,7 @@ class PoolReconciler:
         return current
 
     async def _post_event(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
-        """A core/v1 Event on the pool (``kubectl describe csp`` shows it); failures are logged, not raised."""
-        metadata = pool.get("metadata") or {}
-        now = rfc3339(self.clock())
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            # a unique name instead of generateName: the same on every API server, and one round trip
-            "metadata": {"name": f"{metadata.get('name')}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": pool.get("apiVersion"),
-                "kind": KIND,
-                "name": metadata.get("name"),
-                "namespace": namespace,
-                "uid": metadata.get("uid"),
-                "resourceVersion": metadata.get("resourceVersion"),
-            },
-            "type": event.type,
-            "reason": event.reason,
-            "message": event.message[:1024],
-            "source": {"component": MANAGED_BY},
-            "reportingComponent": f"coserve.dev/{MANAGED_BY}",
-            "reportingInstance": os.environ.get("HOSTNAME", MANAGED_BY),
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        try:
-            await self.kube.create("Event", namespace, body)
-        except (KubeError, httpx.HTTPError) as error:
-            logger.warning("%s/%s: could not post event %s: %s", namespace, metadata.get("name"), event.reason, error)
+        await self.events.post(namespace, pool, event)
 
     async def _write_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         # A merge patch replaces lists (conditions) whole; the status subresource keeps spec untouched.
@@ -282,9 +258,13 @@ class PoolReconciler:
             return None, Problem(f"{path}.key", f"{ref['name']}[{key}]: " + "; ".join(map(str, error.problems)))
 
 
-def configure(settings: kopf.OperatorSettings, *, peering: str | None, scanning: bool = True) -> None:
-    """Operator-wide kopf settings: annotations (not status) for kopf's own bookkeeping, peering, scanning.
+def configure(settings: kopf.OperatorSettings, *, scanning: bool = True) -> None:
+    """Operator-wide kopf settings: no kopf bookkeeping on the pools, no peering, scanning.
 
+    Only ``on.event`` handlers are registered, so kopf writes nothing to the pools
+    (no progress or diff-base annotations, no finalizers). kopf peering is off:
+    it pauses replicas of *lower* priority only, so two replicas of one chart
+    would both act; a Lease elects the one that does (``coserve.operator.leader``).
     ``scanning=False`` (namespaced mode, explicit namespaces) keeps kopf from listing
     namespaces and CRDs, which a Role in each namespace does not allow.
     """
@@ -293,29 +273,31 @@ def configure(settings: kopf.OperatorSettings, *, peering: str | None, scanning:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="coserve.dev")
     settings.posting.level = logging.WARNING  # kopf's own log lines are not Events; ours are
     settings.watching.server_timeout = 300
-    if peering is None:
-        settings.peering.standalone = True
-    else:
-        settings.peering.name = peering
-        settings.peering.mandatory = True
-        settings.peering.standalone = False
+    settings.peering.standalone = True
+
+
+ClusterLoader = Callable[[], SingleConfig]
 
 
 def build_registry(
-    access: Callable[[], ClusterAccess] = ClusterAccess.from_environment,
+    cluster: ClusterLoader,
     *,
     registry: kopf.OperatorRegistry | None = None,
-    peering: str | None = None,
+    lease: LeaseSettings | None = None,
     scanning: bool = True,
     namespaces: Sequence[str] | None = None,
     resync_s: float = DEFAULT_RESYNC_S,
     image_tag: str | None = None,
     autoscale_tick_s: float = 1.0,
 ) -> kopf.OperatorRegistry:
-    """Register coserve's handlers; ``access`` says how to reach the API server (called at start-up).
+    """Register coserve's handlers; ``cluster`` says where the API server is and how to log in.
 
-    ``namespaces`` are the ones kopf watches (``None``: every namespace); the
-    resync lists pools and children there.
+    ``cluster`` is called at start-up; kopf's login handler and the operator's own
+    client both authenticate from what it returns (client certificates, token
+    files, exec plugins), and both fetch a fresh credential after a 401.
+    ``lease``: act only while holding this Lease (``None``: a single replica that
+    always acts). ``namespaces`` are the ones kopf watches (``None``: every
+    namespace); the resync lists pools and children there.
     """
     registry = registry or kopf.OperatorRegistry()
     state: dict[str, Any] = {}
@@ -323,9 +305,20 @@ def build_registry(
     cache = ObjectCache()
     scope = set(namespaces) if namespaces else None
     child_kinds = tuple(dict.fromkeys(kind for kind, _ in CHILDREN))
+    wake = asyncio.Event()  # set when this replica starts leading: resync at once
 
     def managed(body: Mapping[str, Any]) -> bool:
         return ((body.get("metadata") or {}).get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY
+
+    def acting() -> bool:
+        elector: LeaderElector | None = state.get("elector")
+        return elector is None or elector.is_leader
+
+    def config() -> SingleConfig:
+        if "config" not in state:
+            state["config"] = cluster()
+        loaded: SingleConfig = state["config"]
+        return loaded
 
     async def refresh(kube: KubeClient) -> None:
         """List every pool and managed child: what a lost watch event hid (a deletion above all) shows up."""
@@ -344,13 +337,15 @@ def build_registry(
         # NOTE: a plain task rather than a kopf timer: kopf puts a finalizer on every object with a timer,
         # and a finalizer would make deleting a pool wait for the operator.
         while True:
-            await asyncio.sleep(resync_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), resync_s)
+            wake.clear()
             reconciler: PoolReconciler | None = state.get("reconciler")
-            if reconciler is None:
+            if reconciler is None or not acting():
                 continue
             try:
                 await refresh(reconciler.kube)
-            except (KubeError, httpx.HTTPError) as error:
+            except KubeError as error:
                 logger.warning("resync: could not list pools and children (using the watch's view): %s", error)
             for namespace, name in cache.names(KIND):
                 try:
@@ -362,29 +357,39 @@ def build_registry(
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure(settings, peering=peering, scanning=scanning)
-        cluster = access()
-        state["access"] = cluster
-        state["reconciler"] = PoolReconciler(KubeClient(cluster), cache=cache, image_tag=tag)
+        configure(settings, scanning=scanning)
+        logger.info("API server: %s", describe(config()))
+        kube = KubeClient(config())
+        reconciler = PoolReconciler(kube, cache=cache, image_tag=tag)
+        state["reconciler"] = reconciler
+        if lease is not None:
+            elector = LeaderElector(kube, lease, on_started_leading=wake.set)
+            state["elector"] = elector
+            state["leading"] = asyncio.create_task(elector.run())
+        else:
+            wake.set()
         state["resync"] = asyncio.create_task(resync_forever())
-        reconciler = state["reconciler"]
         autoscaler = Autoscaler(
-            reconciler.kube,
+            kube,
             cache,
             read_profile=reconciler.read_profile,
             post_event=reconciler.post_event,
             lock_for=reconciler.lock_for,
+            acting=acting,
         )
         state["autoscaler"] = autoscaler
         state["autoscaling"] = asyncio.create_task(autoscaler.run_forever(autoscale_tick_s))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
-        for key in ("resync", "autoscaling"):
+        for key in ("autoscaling", "resync", "leading"):
             task = state.pop(key, None)
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        elector: LeaderElector | None = state.pop("elector", None)
+        if elector is not None:
+            await elector.release()
         autoscaler = state.pop("autoscaler", None)
         if autoscaler is not None:
             await autoscaler.close()
@@ -393,37 +398,44 @@ def build_registry(
             await reconciler.kube.close()
 
     @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        cluster: ClusterAccess = state.get("access") or access()
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        # Called at start-up and again after a 401 or at the credential's expiration: read it afresh.
+        credential = await fetch_credential(config())
         return kopf.ConnectionInfo(
-            server=cluster.server,
-            token=cluster.token,
-            ca_path=cluster.ca_file,
-            insecure=not cluster.verify,
-            certificate_path=cluster.client_cert[0] if cluster.client_cert else None,
-            private_key_path=cluster.client_cert[1] if cluster.client_cert else None,
+            server=credential.server,
+            ca_path=credential.ca_path,
+            ca_data=credential.ca_data,
+            insecure=credential.insecure,
+            scheme="Bearer" if credential.token else None,
+            token=credential.token,
+            username=credential.username,
+            password=credential.password,
+            certificate_path=credential.certificate_path,
+            certificate_data=credential.certificate_data,
+            private_key_path=credential.private_key_path,
+            private_key_data=credential.private_key_data,
+            default_namespace=credential.namespace,
+            expiration=credential.expiration,
         )
 
     async def run(namespace: str | None, name: str | None) -> None:
         reconciler: PoolReconciler | None = state.get("reconciler")
-        if reconciler is None or namespace is None or name is None:
+        if reconciler is None or namespace is None or name is None or not acting():
             return
         try:
             await reconciler.reconcile(namespace, name)
         except KubeError as error:
             raise kopf.TemporaryError(f"the API server refused a change: {error}", delay=5) from error
 
-    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
-    async def pool_changed(body: Mapping[str, Any], namespace: str | None, name: str | None, **_: Any) -> None:
-        cache.put(KIND, copy.deepcopy(dict(body)))  # the event may reach the handler before pool-seen does
-        await run(namespace, name)
-
-    @kopf.on.event(GROUP, VERSION, PLURAL, id="pool-seen", registry=registry)
-    async def pool_seen(type: str | None, body: Mapping[str, Any], **_: Any) -> None:
-        cache.observe(KIND, type, copy.deepcopy(dict(body)))
+    @kopf.on.event(GROUP, VERSION, PLURAL, id="pool", registry=registry)
+    async def pool_event(type: str | None, body: Mapping[str, Any], namespace: str | None, name: str | None,
+                         **_: Any) -> None:  # fmt: skip
+        # Every replica keeps its cache warm; only the leader acts. An echo of the operator's own status
+        # write changes nothing the reconcile reads but the status it wrote, so it decides nothing new.
+        changed = cache.observe(KIND, type, copy.deepcopy(dict(body)))
         POOLS.set(len(cache.names(KIND)))
+        if changed and type != "DELETED" and not (body.get("metadata") or {}).get("deletionTimestamp"):
+            await run(namespace, name)
 
     labels = {MANAGED_BY_LABEL: MANAGED_BY}
     watched = {"Deployment": ("apps", "deployments"), "Service": ("", "services"), "ConfigMap": ("", "configmaps")}

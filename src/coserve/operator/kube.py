@@ -1,103 +1,288 @@
-"""A thin async Kubernetes API client for the operator's handlers: get, list, create, merge-patch.
+"""The operator's Kubernetes API access: credentials for kopf and coserve alike, and a dict-shaped client.
 
-Who calls it: ``coserve.operator.handlers``, once per reconcile. It speaks plain
-HTTP (httpx) to the API server with the credentials in ``ClusterAccess``:
-in-cluster service-account credentials, or the current kubeconfig context
-(loaded by the ``kubernetes`` client's config loader, so exec plugins and client
-certificates work as in kubectl). Only the kinds the operator manages are known.
+Who calls it: ``coserve operator`` (``load_cluster`` once at start-up),
+``coserve.operator.handlers`` (kopf's login handler calls ``connection_info``;
+the reconciler, the autoscaler, the event recorder and the leader elector use
+``KubeClient``). Tests build a ``SingleConfig`` for a local server with
+``config_for``.
 
-Errors come back as ``KubeError`` with the API server's status, reason and
-message, so handlers can report them in the pool's conditions.
+NOTE: the client is lightkube (``lightkube.AsyncClient``), chosen over
+kubernetes_asyncio and kr8s because it is async, typed, speaks to the API server
+with one TLS context that carries the client certificate (httpx's own ``cert=``
+is ignored beside a CA path), re-reads a rotated ServiceAccount token file and
+re-runs a kubeconfig exec plugin when the server answers 401, and supports
+server-side apply should drift handling move to it.
+
+Credentials, in the order kubectl uses them:
+
+- in a pod: the ServiceAccount (``/var/run/secrets/kubernetes.io/serviceaccount``);
+  the token *file* is kept, not its contents, so the kubelet's hourly rotation
+  is picked up on the next 401 (lightkube) and the next login (kopf);
+- elsewhere: ``--kubeconfig`` or ``$KUBECONFIG`` (first file) or
+  ``~/.kube/config``, with ``--context`` or the current context: client
+  certificates (what kind, minikube and k3s write), tokens, token files and exec
+  plugins (EKS, GKE, AKS), whose credential is fetched again when it expires.
+
+Errors come back as ``KubeError`` with the API server's status code, reason and
+message (``status`` 0 when the server could not be reached), so handlers can
+report them in the pool's conditions.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
 import os
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
+import lightkube
+from lightkube import codecs
+from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+from lightkube.config.models import Cluster, User
+from lightkube.core.exceptions import ApiError, ConfigError
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.apps_v1 import Deployment
+from lightkube.resources.coordination_v1 import Lease
+from lightkube.resources.core_v1 import ConfigMap, Event, Service
+from lightkube.types import PatchType
 
-__all__ = ["PATHS", "ClusterAccess", "KubeClient", "KubeError"]
+__all__ = [
+    "FIELD_MANAGER",
+    "SERVICE_ACCOUNT_DIR",
+    "Credential",
+    "KubeClient",
+    "KubeError",
+    "config_for",
+    "describe",
+    "fetch_credential",
+    "load_cluster",
+]
 
-# kind -> (API prefix, plural)
-PATHS: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("/api/v1", "configmaps"),
-    "Service": ("/api/v1", "services"),
-    "Event": ("/api/v1", "events"),
-    "Deployment": ("/apis/apps/v1", "deployments"),
-    "CoServePool": ("/apis/coserve.dev/v1alpha1", "coservepools"),
+FIELD_MANAGER = "coserve-operator"
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+CoServePoolResource = create_namespaced_resource("coserve.dev", "v1alpha1", "CoServePool", "coservepools")
+
+# kind -> lightkube resource class; only the kinds the operator manages are known.
+RESOURCES: dict[str, Any] = {
+    "ConfigMap": ConfigMap,
+    "Service": Service,
+    "Event": Event,
+    "Deployment": Deployment,
+    "Lease": Lease,
+    "CoServePool": CoServePoolResource,
 }
-
-_SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 class KubeError(RuntimeError):
-    """The API server answered with an error status."""
+    """The API server answered with an error status, or (``status`` 0) could not be reached."""
 
     def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"HTTP {status} {reason}: {message}")
+        super().__init__(f"HTTP {status} {reason}: {message}" if status else f"{reason}: {message}")
         self.status = status
         self.reason = reason
         self.message = message
 
 
+# --- credentials ----------------------------------------------------------------------------------
+
+
+def load_cluster(
+    kubeconfig: str | os.PathLike[str] | None = None,
+    context: str | None = None,
+    *,
+    service_account_dir: str | os.PathLike[str] = SERVICE_ACCOUNT_DIR,
+    environ: Mapping[str, str] | None = None,
+) -> SingleConfig:
+    """Where the API server is and how to authenticate, as kubectl decides it (module docstring).
+
+    An explicit ``kubeconfig`` wins over the in-cluster ServiceAccount. Raises
+    ``KubeError`` (reason ``NoCredentials``) naming what was tried.
+    """
+    env = os.environ if environ is None else environ
+    account = Path(service_account_dir)
+    try:
+        if kubeconfig is None and env.get("KUBERNETES_SERVICE_HOST") and (account / "token").exists():
+            return _in_cluster(account, env)
+        path = kubeconfig or (env.get("KUBECONFIG") or "").split(os.pathsep)[0] or "~/.kube/config"
+        config = KubeConfig.from_file(path).get(context_name=context)
+    except (ConfigError, OSError, ValueError) as error:
+        raise KubeError(0, "NoCredentials", f"no usable in-cluster or kubeconfig credentials: {error}") from error
+    if config is None:
+        raise KubeError(0, "NoCredentials", f"kubeconfig {path} has no current context; pass --context")
+    return config
+
+
+def _in_cluster(account: Path, env: Mapping[str, str]) -> SingleConfig:
+    host, port = env["KUBERNETES_SERVICE_HOST"], env.get("KUBERNETES_SERVICE_PORT", "443")
+    host = f"[{host}]" if ":" in host else host
+    namespace_file = account / "namespace"
+    cluster = Cluster(server=f"https://{host}:{port}", certificate_auth=str(account / "ca.crt"))
+    # token_file only (no token): every reader goes back to the file, which the kubelet rotates
+    user = User(token_file=str(account / "token"))
+    namespace = namespace_file.read_text().strip() if namespace_file.exists() else "default"
+    config = KubeConfig.from_one(cluster=cluster, user=user, context_name="in-cluster", namespace=namespace)
+    return _current(config)
+
+
+def config_for(
+    server: str,
+    *,
+    token: str | None = None,
+    token_file: str | None = None,
+    ca_file: str | None = None,
+    client_cert: tuple[str, str] | None = None,
+    insecure: bool = False,
+    namespace: str = "default",
+) -> SingleConfig:
+    """A one-context configuration for ``server`` (tests, and ``coserve operator --server``)."""
+    cluster = Cluster(server=server, certificate_auth=ca_file, insecure=insecure)
+    cert, key = client_cert or (None, None)
+    user = User(token=token, token_file=token_file, client_cert=cert, client_key=key)
+    return _current(KubeConfig.from_one(cluster=cluster, user=user, namespace=namespace))
+
+
+def _current(config: KubeConfig) -> SingleConfig:
+    single = config.get()
+    if single is None:  # from_one always sets the current context
+        raise KubeError(0, "NoCredentials", "the configuration has no current context")
+    return single
+
+
+def describe(config: SingleConfig) -> str:
+    """How the operator authenticates, for its start-up log line (never the secret itself)."""
+    user = config.user
+    how = "anonymous"
+    if user is not None:
+        if user.exec is not None:
+            how = f"exec plugin {user.exec.command}"
+        elif user.token_file:
+            how = f"token file {user.token_file}"
+        elif user.token:
+            how = "bearer token"
+        elif user.client_cert or user.client_cert_data:
+            how = "client certificate"
+    return f"{config.cluster.server} (context {config.context_name}, {how})"
+
+
 @dataclass(frozen=True)
-class ClusterAccess:
-    """Where the API server is and how to authenticate."""
+class Credential:
+    """What kopf needs to authenticate, fetched afresh at each (re-)login."""
 
     server: str
+    ca_path: str | None = None
+    ca_data: bytes | None = None
+    insecure: bool = False
     token: str | None = None
-    ca_file: str | None = None
-    client_cert: tuple[str, str] | None = None  # (certificate file, key file)
-    verify: bool = True
+    certificate_path: str | None = None
+    certificate_data: bytes | None = None
+    private_key_path: str | None = None
+    private_key_data: bytes | None = None
+    username: str | None = None
+    password: str | None = None
+    expiration: datetime | None = None
+    namespace: str | None = None
 
-    @classmethod
-    def from_environment(cls) -> ClusterAccess:
-        """In a pod: the service account. Elsewhere: the current kubeconfig context (as kubectl uses)."""
-        if os.environ.get("KUBERNETES_SERVICE_HOST") and (_SERVICE_ACCOUNT / "token").exists():
-            host = os.environ["KUBERNETES_SERVICE_HOST"]
-            port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-            host = f"[{host}]" if ":" in host else host
-            return cls(
-                server=f"https://{host}:{port}",
-                token=(_SERVICE_ACCOUNT / "token").read_text().strip(),
-                ca_file=str(_SERVICE_ACCOUNT / "ca.crt"),
-            )
-        from kubernetes import client, config
 
-        configuration = client.Configuration()
-        config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        token = (configuration.api_key or {}).get("authorization") or (configuration.api_key or {}).get("BearerToken")
-        if token and token.lower().startswith("bearer "):
-            token = token[7:]
-        cert_file, key_file = configuration.cert_file, configuration.key_file
-        cert = (str(cert_file), str(key_file)) if cert_file and key_file else None
-        return cls(
-            server=str(configuration.host),
-            token=token,
-            ca_file=configuration.ssl_ca_cert,
-            client_cert=cert,
-            verify=bool(configuration.verify_ssl),
-        )
+async def fetch_credential(config: SingleConfig) -> Credential:
+    """Read the credential now: the token file's current contents, the exec plugin's current output.
+
+    kopf calls its login handler again on a 401 and when ``expiration`` passes,
+    so a rotated token or an expired exec credential is replaced without a restart.
+    """
+    cluster, user = config.cluster, config.user or User()
+    ca_path = str(config.abs_file(cluster.certificate_auth)) if cluster.certificate_auth else None
+    ca_data = _pem(cluster.certificate_auth_data)
+    token, expiration = user.token, None
+    cert_path = str(config.abs_file(user.client_cert)) if user.client_cert else None
+    key_path = str(config.abs_file(user.client_key)) if user.client_key else None
+    cert_data, key_data = _pem(user.client_cert_data), _pem(user.client_key_data)
+    if user.token_file:
+        token = Path(config.abs_file(user.token_file)).read_text().strip()
+    elif user.exec is not None:
+        status = await _run_exec(config)
+        token = status.get("token") or None
+        if status.get("clientCertificateData"):
+            cert_path, cert_data = None, str(status["clientCertificateData"]).encode()
+        if status.get("clientKeyData"):
+            key_path, key_data = None, str(status["clientKeyData"]).encode()
+        if status.get("expirationTimestamp"):
+            expiration = datetime.fromisoformat(str(status["expirationTimestamp"]).replace("Z", "+00:00"))
+    return Credential(
+        server=cluster.server,
+        ca_path=ca_path,
+        ca_data=ca_data,
+        insecure=bool(cluster.insecure),
+        token=token,
+        certificate_path=cert_path,
+        certificate_data=cert_data,
+        private_key_path=key_path,
+        private_key_data=key_data,
+        username=user.username,
+        password=user.password,
+        expiration=expiration,
+        namespace=config.namespace,
+    )
+
+
+def _pem(data: str | None) -> bytes | None:
+    """kubeconfig ``*-data`` fields are base64 of PEM."""
+    return base64.b64decode(data) if data else None
+
+
+async def _run_exec(config: SingleConfig) -> dict[str, Any]:
+    """Run the kubeconfig's exec plugin (client.authentication.k8s.io) and return its ExecCredential status."""
+    plugin = config.user.exec if config.user else None
+    if plugin is None:
+        raise KubeError(0, "ExecPluginFailed", "the kubeconfig user has no exec plugin")
+    env = dict(os.environ)
+    env.update((var.name, var.value) for var in plugin.env or [])
+    process = await asyncio.create_subprocess_exec(
+        plugin.command,
+        *(plugin.args or []),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    if process.returncode != 0:
+        hint = f" ({plugin.installHint})" if plugin.installHint else ""
+        raise KubeError(0, "ExecPluginFailed", f"{plugin.command} exited {process.returncode}{hint}: "
+                        f"{stderr.decode(errors='replace')[-500:]}")  # fmt: skip
+    try:
+        status = json.loads(stdout)["status"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise KubeError(0, "ExecPluginFailed", f"{plugin.command} printed no ExecCredential status") from error
+    if not isinstance(status, dict):
+        raise KubeError(0, "ExecPluginFailed", f"{plugin.command} printed no ExecCredential status")
+    return status
+
+
+# --- the client -----------------------------------------------------------------------------------
 
 
 class KubeClient:
-    """Use as ``async with KubeClient(access) as kube``; one connection pool per operator."""
+    """Get, list, create and merge-patch plain dicts; ``async with KubeClient(config) as kube``.
 
-    def __init__(self, access: ClusterAccess, timeout_s: float = 30.0) -> None:
-        headers = {"Accept": "application/json"}
-        if access.token:
-            headers["Authorization"] = f"Bearer {access.token}"
-        verify: bool | str = access.ca_file if (access.verify and access.ca_file) else access.verify
-        self._http = httpx.AsyncClient(
-            base_url=access.server.rstrip("/"),
-            headers=headers,
-            verify=verify,
-            cert=access.client_cert,
-            timeout=timeout_s,
+    One per operator. Bodies go out and come back as the API server's JSON, so the
+    reconciler compares what the server stores, unmodified. Counts its requests
+    (``requests``, ``writes``) for the reconcile benchmark and tests.
+    """
+
+    def __init__(self, config: SingleConfig, timeout_s: float = 30.0) -> None:
+        self._client = lightkube.AsyncClient(
+            config, timeout=httpx2.Timeout(timeout_s), field_manager=FIELD_MANAGER, trust_env=False
         )
+        self.requests = 0
+        self.writes = 0
+        self.started = time.monotonic()
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -106,66 +291,93 @@ class KubeClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._client.close()
 
     @staticmethod
-    def path(kind: str, namespace: str | None, name: str | None = None, subresource: str | None = None) -> str:
-        """The object's (or, without ``name``, the collection's) URL path; ``namespace=None``: every namespace."""
+    def resource(kind: str, subresource: str | None = None) -> Any:
         try:
-            prefix, plural = PATHS[kind]
+            res = RESOURCES[kind]
         except KeyError:
-            raise ValueError(f"unknown kind {kind!r}; known: {', '.join(PATHS)}") from None
-        if namespace is None:
-            if name is not None:
-                raise ValueError(f"a {kind} named {name!r} needs a namespace")
-            return f"{prefix}/{plural}"
-        path = f"{prefix}/namespaces/{namespace}/{plural}"
-        if name is not None:
-            path += f"/{name}"
-        if subresource is not None:
-            path += f"/{subresource}"
-        return path
+            raise ValueError(f"unknown kind {kind!r}; known: {', '.join(RESOURCES)}") from None
+        if subresource is None:
+            return res
+        if subresource != "status":
+            raise ValueError(f"unknown subresource {subresource!r}")
+        return res.Status
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or ``None`` if it does not exist."""
-        response = await self._http.get(self.path(kind, namespace, name))
-        if response.status_code == 404:
-            return None
-        return self._json(response)
+        try:
+            return _plain(await self._call(False, self._client.get(self.resource(kind), name, namespace=namespace)))
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
 
     async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
         """Every object of ``kind`` in ``namespace`` (``None``: all namespaces) matching ``label_selector``.
 
-        Callers that depend on the selector check labels again: not every API server (kmock) applies it.
+        Pages through large collections. Callers that depend on the selector check
+        labels again: not every API server (kmock) applies it.
         """
-        params = {"labelSelector": label_selector} if label_selector else None
-        items = self._json(await self._http.get(self.path(kind, namespace), params=params)).get("items") or []
-        return [item for item in items if isinstance(item, dict)]
+        labels: dict[str, Any] | None = dict(_parse_selector(label_selector)) if label_selector else None
+        self.requests += 1
+        items: list[dict[str, Any]] = []
+        try:
+            async for item in self._client.list(
+                self.resource(kind), namespace=namespace if namespace is not None else "*", labels=labels
+            ):
+                items.append(_plain(item))
+        except ApiError as error:
+            raise _api_error(error) from None
+        except httpx2.HTTPError as error:
+            raise KubeError(0, "Unreachable", f"{type(error).__name__}: {error}") from None
+        return items
 
-    async def create(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._json(await self._http.post(self.path(kind, namespace), json=body))
+    async def create(self, kind: str, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        self.resource(kind)  # only the known kinds
+        metadata = {**(body.get("metadata") or {}), "namespace": namespace}
+        obj = codecs.from_dict({**body, "metadata": metadata})  # the class registered for apiVersion and kind
+        return _plain(await self._call(True, self._client.create(obj)))
 
     async def merge_patch(
-        self, kind: str, namespace: str, name: str, body: dict[str, Any], subresource: str | None = None
+        self, kind: str, namespace: str, name: str, body: Mapping[str, Any], subresource: str | None = None
     ) -> dict[str, Any]:
         """RFC 7386 merge patch: maps merge, lists and scalars are replaced by ``body``'s."""
-        response = await self._http.patch(
-            self.path(kind, namespace, name, subresource),
-            json=body,
-            headers={"Content-Type": "application/merge-patch+json"},
-        )
-        return self._json(response)
+        res = self.resource(kind, subresource)
+        call = self._client.patch(res, name, dict(body), namespace=namespace, patch_type=PatchType.MERGE)
+        return _plain(await self._call(True, call))
 
-    @staticmethod
-    def _json(response: httpx.Response) -> dict[str, Any]:
-        if response.status_code >= 400:
-            try:
-                status = response.json()
-                reason, message = str(status.get("reason", "")), str(status.get("message", response.text))
-            except ValueError:
-                reason, message = response.reason_phrase, response.text[:500]
-            raise KubeError(response.status_code, reason or response.reason_phrase, message)
-        data = response.json()
-        if not isinstance(data, dict):
-            raise KubeError(response.status_code, "UnexpectedBody", f"expected an object, got {type(data).__name__}")
-        return data
+    async def _call(self, write: bool, call: Any) -> Any:
+        self.requests += 1
+        self.writes += int(write)
+        try:
+            return await call
+        except ApiError as error:
+            raise _api_error(error) from None
+        except httpx2.HTTPError as error:
+            raise KubeError(0, "Unreachable", f"{type(error).__name__}: {error}") from None
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    data = obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
+    if not isinstance(data, dict):
+        raise KubeError(200, "UnexpectedBody", f"expected an object, got {type(data).__name__}")
+    return data
+
+
+def _api_error(error: ApiError) -> KubeError:
+    status = error.status
+    code = int(status.code or error.response.status_code)
+    return KubeError(code, str(status.reason or error.response.reason_phrase), str(status.message or ""))
+
+
+def _parse_selector(selector: str) -> list[tuple[str, str]]:
+    """``a=b,c=d`` -> pairs; only equality selectors are used by the operator."""
+    pairs = []
+    for term in selector.split(","):
+        key, sep, value = term.partition("=")
+        if not sep:
+            raise ValueError(f"unsupported label selector term {term!r}")
+        pairs.append((key.strip(), value.strip().lstrip("=")))
+    return pairs

@@ -1,0 +1,204 @@
+"""One actor among operator replicas: leader election on a ``coordination.k8s.io/v1`` Lease.
+
+Who calls it: ``coserve.operator.handlers`` starts ``LeaderElector.run`` at
+operator start-up and asks ``is_leader`` before every reconcile, resync and
+autoscaler evaluation; the kopf handlers keep feeding the cache on every replica,
+so a replica that takes over acts on a warm view at once (it resyncs every pool
+as soon as it leads).
+
+The rules are client-go's (``k8s.io/client-go/tools/leaderelection``):
+
+- a replica takes the Lease when nobody holds it, or when the holder has not
+  renewed it for ``lease_duration_s`` as measured on this replica's own clock
+  (from when it last saw the record change, so clock skew between nodes does
+  not matter);
+- the holder renews every ``retry_period_s``; if it cannot renew for
+  ``renew_deadline_s`` it stops acting before anyone else may take over
+  (``renew_deadline_s < lease_duration_s``);
+- every write carries the Lease's ``resourceVersion``, so of two replicas that
+  race for an expired Lease the API server lets exactly one win (409 for the other);
+- a replica that stops cleanly empties ``holderIdentity`` so the next one takes
+  over within ``retry_period_s`` instead of ``lease_duration_s``.
+
+Take-over after the leader dies without releasing: at most
+``lease_duration_s + retry_period_s`` after its last renewal (17 s with the
+defaults 15 s and 2 s).
+
+``next_record`` is the pure decision; ``LeaderElector`` is the loop around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from coserve.operator.kube import KubeClient, KubeError
+
+__all__ = ["LeaderElector", "LeaseSettings", "next_record"]
+
+logger = logging.getLogger("coserve.operator.leader")
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    """Which Lease, who this replica is, and the timing (client-go's defaults)."""
+
+    name: str
+    namespace: str
+    identity: str
+    lease_duration_s: float = 15.0
+    renew_deadline_s: float = 10.0
+    retry_period_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.retry_period_s < self.renew_deadline_s < self.lease_duration_s:
+            raise ValueError(
+                "lease timing must satisfy 0 < retry period < renew deadline < lease duration, got "
+                f"{self.retry_period_s}, {self.renew_deadline_s}, {self.lease_duration_s}"
+            )
+        if not self.identity:
+            raise ValueError("identity must not be empty")
+
+
+def micro_time(moment: datetime) -> str:
+    """metav1.MicroTime, as Lease times are serialised: ``2026-12-03T16:00:00.123456Z``."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def next_record(
+    spec: Mapping[str, Any] | None, identity: str, expired: bool, now: datetime, lease_duration_s: float
+) -> dict[str, Any] | None:
+    """The Lease spec to write for ``identity``, or ``None`` when another live replica holds it.
+
+    ``expired``: the holder's record has not changed for a lease duration on this
+    replica's clock. An empty holder is free.
+    """
+    spec = spec or {}
+    holder = spec.get("holderIdentity") or ""
+    mine = holder == identity
+    if holder and not mine and not expired:
+        return None
+    stamp = micro_time(now)
+    transitions = int(spec.get("leaseTransitions") or 0)
+    return {
+        "holderIdentity": identity,
+        "leaseDurationSeconds": max(1, round(lease_duration_s)),
+        "acquireTime": spec.get("acquireTime") if mine and spec.get("acquireTime") else stamp,
+        "renewTime": stamp,
+        "leaseTransitions": transitions if mine or not holder else transitions + 1,
+    }
+
+
+class LeaderElector:
+    """Holds (or waits for) the Lease; ``is_leader`` says whether this replica may act now."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        settings: LeaseSettings,
+        *,
+        on_started_leading: Callable[[], Any] | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.on_started_leading = on_started_leading
+        self.clock = clock
+        self.monotonic = monotonic
+        self._observed: dict[str, Any] | None = None  # the last Lease spec seen
+        self._observed_at = 0.0  # monotonic time it last changed
+        self._renewed_at: float | None = None  # monotonic time of our last successful write while leading
+        self.leading = asyncio.Event()
+
+    @property
+    def is_leader(self) -> bool:
+        """Leading, and renewed within the renew deadline (a partitioned leader stops acting on its own)."""
+        if self._renewed_at is None:
+            return False
+        return self.monotonic() - self._renewed_at < self.settings.renew_deadline_s
+
+    async def run(self) -> None:
+        """Try to acquire, then renew, every retry period, until cancelled."""
+        while True:
+            was = self.is_leader
+            try:
+                acquired = await self.try_acquire_or_renew()
+            except KubeError as error:
+                logger.warning("lease %s: %s", self.settings.name, error)
+                acquired = False
+            if acquired and not was:
+                logger.info("lease %s: %s leads", self.settings.name, self.settings.identity)
+                self.leading.set()
+                if self.on_started_leading is not None:
+                    result = self.on_started_leading()
+                    if asyncio.iscoroutine(result):
+                        await result
+            elif was and not self.is_leader:
+                logger.warning("lease %s: %s lost the lease; standing by", self.settings.name, self.settings.identity)
+                self.leading.clear()
+            await asyncio.sleep(self.settings.retry_period_s)
+
+    async def try_acquire_or_renew(self) -> bool:
+        """One round: ``True`` when this replica holds the Lease after it."""
+        name, namespace = self.settings.name, self.settings.namespace
+        lease = await self.kube.get("Lease", namespace, name)
+        now = self.monotonic()
+        if lease is None:
+            spec = next_record(None, self.settings.identity, False, self.clock(), self.settings.lease_duration_s)
+            if spec is None:  # cannot happen: nobody holds a Lease that does not exist
+                return False
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": name, "namespace": namespace}, "spec": spec}  # fmt: skip
+            try:
+                await self.kube.create("Lease", namespace, body)
+            except KubeError as error:
+                if error.status == 409:  # another replica created it first
+                    return False
+                raise
+            return self._won(spec, now)
+        spec = lease.get("spec") or {}
+        if spec != self._observed:
+            self._observed, self._observed_at = dict(spec), now
+        duration = float(spec.get("leaseDurationSeconds") or self.settings.lease_duration_s)
+        expired = now - self._observed_at >= duration
+        wanted = next_record(spec, self.settings.identity, expired, self.clock(), self.settings.lease_duration_s)
+        if wanted is None:
+            self._renewed_at = None
+            return False
+        patch: dict[str, Any] = {"spec": wanted}
+        version = (lease.get("metadata") or {}).get("resourceVersion")
+        if version:
+            patch["metadata"] = {"resourceVersion": version}  # optimistic lock: 409 if someone wrote meanwhile
+        try:
+            await self.kube.merge_patch("Lease", namespace, name, patch)
+        except KubeError as error:
+            if error.status in (404, 409):
+                return False
+            raise
+        return self._won(wanted, now)
+
+    def _won(self, spec: dict[str, Any], now: float) -> bool:
+        self._observed, self._observed_at, self._renewed_at = dict(spec), now, now
+        return True
+
+    async def release(self) -> None:
+        """Give the Lease up so another replica takes over at its next retry (called on clean shutdown)."""
+        if self._renewed_at is None:
+            return
+        self._renewed_at = None
+        self.leading.clear()
+        with contextlib.suppress(KubeError):
+            await self.kube.merge_patch(
+                "Lease",
+                self.settings.namespace,
+                self.settings.name,
+                {"spec": {"holderIdentity": None, "renewTime": micro_time(self.clock())}},
+            )
+            logger.info("lease %s: released by %s", self.settings.name, self.settings.identity)
