@@ -203,7 +203,11 @@ async def test_the_operator_scales_on_a_load_step_holds_then_scales_down_and_hol
             lambda: condition(kmock, "AutoscalingActive")["reason"] == "PrometheusUnreachable", "the held condition"
         )
         assert condition(kmock, "AutoscalingActive")["status"] == "False"
-        assert "replicas held at 1 prefillers, 1 decoders" in condition(kmock, "AutoscalingActive")["message"]
+        message = condition(kmock, "AutoscalingActive")["message"]
+        assert "replicas held at 1 prefillers, 1 decoders" in message
+        # the query's name, the URL and the error's class, in fixed words (nothing the server said)
+        assert f"{prometheus.url}/api/v1/query is unreachable, " in message  # ConnectError, or a read cut short
+        assert any(f"Prometheus query {name}: " in message for name in ("arrivalRate", "inputTokens")), message
         await eventually(lambda: events(kmock, "PrometheusUnreachable"), "a Warning event")
         await asyncio.sleep(2)
         assert replicas(kmock) == stopped_at
@@ -237,22 +241,31 @@ async def test_no_data_holds_replicas_and_says_which_query(
 async def test_query_errors_are_clear(scripted: tuple[ScriptedPool, Prometheus]) -> None:
     _, prometheus = scripted
     async with httpx.AsyncClient(timeout=5) as client:
-        with pytest.raises(PrometheusError, match="parse error") as bad:
-            await query_prometheus(client, prometheus.url, "sum(")
+        with pytest.raises(PrometheusError) as bad:
+            await query_prometheus(client, prometheus.url, "sum(", name="arrivalRate")
         assert bad.value.reason == "QueryFailed"
+        # the status code, its standard phrase and Prometheus' errorType; never its `error` text
+        assert str(bad.value) == "Prometheus query arrivalRate failed: HTTP 400 Bad Request (bad_data)"
         await eventually_series(client, prometheus.url)
-        with pytest.raises(PrometheusError, match="aggregate it to one") as many:
-            await query_prometheus(client, prometheus.url, "up or vector(1)")
+        with pytest.raises(PrometheusError) as many:
+            await query_prometheus(client, prometheus.url, "up or vector(1)", name="inputTokens")
         assert many.value.reason == "QueryFailed"
-        assert await query_prometheus(client, prometheus.url, "vector(2) / vector(0) * 0") is None  # NaN: no data
+        assert str(many.value) == "Prometheus query inputTokens returns 2 series; aggregate it to one (sum, avg)"
+        nan = await query_prometheus(client, prometheus.url, "vector(2) / vector(0) * 0", name="lifetime")
+        assert nan is None  # NaN: no data
+        port = free_port()
         with pytest.raises(PrometheusError) as gone:
-            await query_prometheus(client, f"http://127.0.0.1:{free_port()}", "up")
+            await query_prometheus(client, f"http://127.0.0.1:{port}", "up", name="arrivalRate")
         assert gone.value.reason == "PrometheusUnreachable"
+        assert str(gone.value) == (
+            f"Prometheus query arrivalRate: http://127.0.0.1:{port}/api/v1/query is unreachable, "
+            "connection failed (ConnectError)"
+        )
 
 
 async def eventually_series(client: httpx.AsyncClient, url: str) -> None:
     for _ in range(100):
-        if await query_prometheus(client, url, "sum(up)") is not None:
+        if await query_prometheus(client, url, "sum(up)", name="up") is not None:
             return
         await asyncio.sleep(0.1)
     raise AssertionError("prometheus never scraped the exporter")

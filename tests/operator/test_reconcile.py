@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 from datetime import UTC, datetime
+from fractions import Fraction
 from typing import Any
 
 import pytest
 
 from coserve.api.problems import Problem
+from coserve.operator.normalize import parse_quantity, same_quantity
 from coserve.operator.reconcile import ChildKey, drift, reconcile
 from pool_builders import sample_pool
 
@@ -246,10 +248,116 @@ def test_status_written_by_others_does_not_break_a_reconcile() -> None:
         ({"a": True}, {"a": 1}, ["a"]),
         ({"a": {"b": 1}}, {}, ["a"]),
         ({"a": [{"x": 1}]}, {"a": [{"x": 1, "y": 2}]}, []),
+        # false and empty values the API server leaves out match an absent field ...
+        ({"a": False}, {}, []),
+        ({"a": ""}, {}, []),
+        ({"a": []}, {}, []),
+        ({"a": {}}, {}, []),
+        ({"a": None}, {}, []),
+        ({"a": {"b": False, "c": 1}}, {"a": {"c": 1}}, []),
+        ({"a": [{"b": False}]}, {"a": [{}]}, []),
+        # ... but not a present field with another value, nor true, non-empty or zero values
+        ({"a": False}, {"a": True}, ["a"]),
+        ({"a": []}, {"a": [1]}, ["a"]),
+        ({"a": {}}, {"a": "x"}, ["a"]),
+        ({"a": True}, {}, ["a"]),
+        ({"a": "x"}, {}, ["a"]),
+        ({"a": [False]}, {}, ["a"]),
+        ({"a": {"b": False}}, {}, ["a"]),
+        ({"a": 0}, {}, ["a"]),
+        # apiVersion and kind: LIST items carry neither; a different one is drift; only at the top
+        ({"apiVersion": "v1", "kind": "Service", "a": 1}, {"a": 1}, []),
+        ({"apiVersion": "apps/v1", "kind": "Deployment"}, {"apiVersion": "apps/v1beta2", "kind": "Deployment"},
+         ["apiVersion"]),
+        ({"a": {"apiVersion": "v1", "kind": "Pod"}}, {"a": {}}, ["a.apiVersion", "a.kind"]),
+        # resource quantities compare by value, only under resources.limits / resources.requests
+        ({"resources": {"limits": {"nvidia.com/gpu": 1}}}, {"resources": {"limits": {"nvidia.com/gpu": "1"}}}, []),
+        ({"resources": {"requests": {"cpu": "0.5"}}}, {"resources": {"requests": {"cpu": "500m"}}}, []),
+        ({"resources": {"limits": {"nvidia.com/gpu": 1}}}, {"resources": {"limits": {"nvidia.com/gpu": "2"}}},
+         ["resources.limits.nvidia.com/gpu"]),
+        ({"resources": {"limits": {"memory": "1Gi"}}}, {"resources": {"limits": {"memory": "1G"}}},
+         ["resources.limits.memory"]),
+        ({"c": [{"resources": {"requests": {"memory": "1024Mi"}}}]},
+         {"c": [{"resources": {"requests": {"memory": "1Gi"}}}]}, []),
+        ({"resources": {"limits": {"memory": "1Gi"}}}, {"resources": {"limits": {}}}, ["resources.limits.memory"]),
+        ({"args": ["--port", 8000]}, {"args": ["--port", "8000"]}, ["args[1]"]),
+        ({"args": ["1000m"]}, {"args": ["1"]}, ["args[0]"]),
+        ({"limits": {"cpu": 1}}, {"limits": {"cpu": "1"}}, ["limits.cpu"]),
+        ({"replicas": 1}, {"replicas": "1"}, ["replicas"]),
     ],
-)
+)  # fmt: skip
 def test_drift_only_looks_at_fields_the_operator_sets(desired: Any, observed: Any, paths: list[str]) -> None:
     assert drift(desired, observed) == paths
+
+
+@pytest.mark.parametrize(
+    ("desired", "observed", "same"),
+    [
+        (1, "1", True),
+        (8, "8", True),
+        ("8", "8000m", True),
+        ("0.5", "500m", True),
+        (0.5, "500m", True),
+        (".5", "500m", True),
+        ("1.", "1", True),
+        ("+1", "1", True),
+        ("1024Mi", "1Gi", True),
+        ("1.5Gi", "1536Mi", True),
+        ("1Ki", "1024", True),
+        ("1000m", "1", True),
+        ("1e3", "1k", True),
+        ("1E3", "1k", True),
+        ("1e-3", "1m", True),
+        ("1E", "1e18", True),
+        ("2M", "2000k", True),
+        ("1000000n", "1m", True),
+        ("1000u", "1m", True),
+        ("0.1m", "1m", True),  # the API server rounds resource amounts up to 1m
+        ("100n", "1m", True),
+        ("0", "0m", True),
+        ("-0.1m", "-1m", True),
+        ("1", "2", False),
+        ("1Gi", "1G", False),
+        ("1m", "1M", False),
+        ("1001m", "1", False),
+        ("1.1m", "1m", False),  # rounded up to 2m
+        (1, "1x", False),
+        ("1x", "1x", False),  # not a quantity: drift's plain comparison decides
+        ("1e", "1", False),
+        ("", "0", False),
+        (True, "1", False),
+        (None, "0", False),
+        ("1e9999", "1e9999", False),
+    ],
+)
+def test_quantities_are_compared_as_the_api_server_stores_them(desired: Any, observed: Any, same: bool) -> None:
+    assert same_quantity(desired, observed) is same
+    assert same_quantity(observed, desired) is same
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1", Fraction(1)),
+        ("500m", Fraction(1, 2)),
+        ("1.5Gi", Fraction(3 * 2**29)),
+        ("12e-2", Fraction(3, 25)),
+        ("-2k", Fraction(-2000)),
+        ("3n", Fraction(3, 10**9)),
+        ("7u", Fraction(7, 10**6)),
+        ("1Ei", Fraction(2**60)),
+        ("2P", Fraction(2 * 10**15)),
+        (0.1, Fraction(1, 10)),
+        ("Gi", None),
+        ("1 Gi", None),
+        ("1gi", None),
+        ("1.2.3", None),
+        (float("nan"), None),
+        ([1], None),
+    ],
+)
+def test_quantities_parse_exactly(text: Any, value: Fraction | None) -> None:
+    assert parse_quantity(text) == value
 
 
 def test_turning_autoscaling_off_clears_its_status_and_says_so() -> None:
@@ -269,3 +377,9 @@ def test_turning_autoscaling_off_clears_its_status_and_says_so() -> None:
     body["status"] = {k: v for k, v in result.status.items() if v is not None}  # what the API server then holds
     again = reconcile(body, observed, LATER)
     assert "autoscaling" not in again.status and again.status == body["status"]  # and nothing more to write
+
+
+def test_a_removed_false_security_setting_is_drift() -> None:
+    desired = {"securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True}}
+    assert drift(desired, {"securityContext": {"runAsNonRoot": True}}) == ["securityContext.allowPrivilegeEscalation"]
+    assert drift({"spec": {"publishNotReadyAddresses": False}}, {"spec": {}}) == []

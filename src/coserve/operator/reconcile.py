@@ -15,7 +15,10 @@ Rules:
 - Children are created when missing and patched when they drifted from the
   desired state (a field the operator sets has another value); fields the API
   server or other controllers add are left alone, so the operator never fights
-  defaulting. Two reconciles of the same generation and state do nothing.
+  defaulting. Drift is judged as the API server stores objects: resource
+  quantities by value (``1`` is ``"1"``, ``"0.5"`` is ``"500m"``), a ``false`` or
+  empty value as an absent field, and list items without ``apiVersion``/``kind``
+  (see ``drift``). Two reconciles of the same generation and state do nothing.
 - While ``spec.autoscaling.enabled``, the Deployments' replica counts belong to
   the autoscaler (``coserve.operator.autoscaler``): they are created at the
   plan's counts and never reset, and its ``status.autoscaling`` is kept. While
@@ -49,6 +52,7 @@ from coserve.api.status import (
     RoleReplicas,
     StatusModel,
 )
+from coserve.operator.normalize import is_blank, same_quantity
 from coserve.operator.resources import Manifest, build_children, child_name
 from coserve.provisioning import plan_for
 
@@ -152,28 +156,58 @@ def reconcile(
 
 
 def drift(desired: Any, observed: Any, path: str = "") -> list[str]:
-    """Paths where ``observed`` differs from ``desired`` in a field ``desired`` sets.
+    """Paths where ``observed`` differs from ``desired`` in a field ``desired`` sets, as the API server stores it.
 
     Fields only ``observed`` has (server defaults, other controllers' annotations)
-    are not drift. Lists must match element by element.
+    are not drift. Lists must match element by element. What the server does to
+    what it is sent is not drift either (see ``coserve.operator.normalize``):
+
+    - ``apiVersion`` and ``kind`` absent at the top of ``observed`` (LIST and watch
+      items carry neither); present with another value, they are drift;
+    - a resource quantity under ``resources.requests``/``resources.limits`` is compared
+      by value (``1`` == ``"1"``, ``"0.5"`` == ``"500m"``, ``"1024Mi"`` == ``"1Gi"``);
+    - a desired ``false``, ``""``, ``[]`` or ``{}`` matches an absent field (the server
+      leaves them out); a desired ``true`` or non-empty value against an absent one is drift.
+      Not under ``securityContext``: those fields are pointers the server keeps, and an
+      absent ``allowPrivilegeEscalation`` means ``true``, so removing it by hand is drift.
     """
+    return _drift(desired, observed, path, ())
+
+
+_TYPE_KEYS = ("apiVersion", "kind")
+_RESOURCE_LISTS = ("limits", "requests")
+
+
+def _drift(desired: Any, observed: Any, path: str, keys: tuple[str, ...]) -> list[str]:
+    """``drift`` below ``keys``: the field names from the top object down to ``desired`` (``[]`` for a list item)."""
+    if observed is None and is_blank(desired) and "securityContext" not in keys:
+        return []  # NOTE: securityContext fields are pointers the server keeps; absent there is not false
     if isinstance(desired, Mapping):
         if not isinstance(observed, Mapping):
             return [path or "."]
         out: list[str] = []
         for key, value in desired.items():
-            out += drift(value, observed.get(key), f"{path}.{key}" if path else str(key))
+            if not keys and key in _TYPE_KEYS and observed.get(key) is None:
+                continue  # a LIST or watch item: the server leaves apiVersion and kind out
+            out += _drift(value, observed.get(key), f"{path}.{key}" if path else str(key), (*keys, str(key)))
         return out
     if isinstance(desired, list):
         if not isinstance(observed, list) or len(observed) != len(desired):
             return [path]
         out = []
         for index, (want, have) in enumerate(zip(desired, observed, strict=True)):
-            out += drift(want, have, f"{path}[{index}]")
+            out += _drift(want, have, f"{path}[{index}]", (*keys, "[]"))
         return out
     if isinstance(desired, bool) or isinstance(observed, bool):
         return [] if desired is observed else [path]
-    return [] if desired == observed else [path]
+    if desired == observed:
+        return []
+    return [] if _in_resource_list(keys) and same_quantity(desired, observed) else [path]
+
+
+def _in_resource_list(keys: tuple[str, ...]) -> bool:
+    """True for ``...resources.limits.<name>`` and ``...resources.requests.<name>``: the value is a quantity."""
+    return len(keys) >= 3 and keys[-3] == "resources" and keys[-2] in _RESOURCE_LISTS
 
 
 # --- helpers --------------------------------------------------------------------------------------
