@@ -203,15 +203,31 @@ def test_an_unreadable_profile_reference_is_reported_like_an_invalid_spec() -> N
 
 def test_a_child_that_belongs_to_someone_else_is_never_touched() -> None:
     observed = applied(pool())
+    before = with_status(pool(), observed)  # converged
     foreign = observed[("Service", "chat-router")]
     foreign["metadata"]["ownerReferences"] = []
     foreign["spec"]["type"] = "LoadBalancer"
-    result = reconcile(with_status(pool(), observed), observed, LATER)
+    result = reconcile(before, observed, LATER)
     assert result.actions == ()
     degraded = condition(result.status, "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "ChildConflict")
     assert "Service chat-router" in degraded["message"]
     assert ("Warning", "ChildConflict") in [(e.type, e.reason) for e in result.events]
+    # the next resync sees the same conflict: the condition says it, no new Warning
+    again = reconcile({**before, "status": result.status}, observed, LATER)
+    assert again.actions == () and again.events == ()
+    assert again.status == result.status
+
+
+def test_an_invalid_spec_is_warned_about_once_and_again_when_the_problem_changes() -> None:
+    bad = pool(autoscaling={"enabled": True})
+    first = reconcile(bad, {}, NOW)
+    assert [(e.type, e.reason) for e in first.events] == [("Warning", "InvalidSpec")]
+    again = reconcile({**bad, "status": first.status}, {}, LATER)
+    assert again.events == () and again.actions == ()
+    worse = pool(workload={**POOL["spec"]["workload"], "arrivalRatePerS": 1e9})
+    changed = reconcile({**worse, "status": again.status}, {}, LATER)
+    assert [(e.type, e.reason) for e in changed.events] == [("Warning", "InvalidSpec")]
 
 
 def test_a_failing_deployment_marks_the_pool_degraded() -> None:

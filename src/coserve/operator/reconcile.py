@@ -26,6 +26,8 @@ Rules:
   with a ReplicasReset Warning event saying why and what to change instead.
 - A child that exists but is not controlled by this pool (no owner reference
   with the pool's uid) is never touched: Degraded=True with reason ChildConflict.
+- Warnings about a problem (InvalidSpec, ChildConflict) are posted when the
+  problem appears or changes, not on every resync: the condition carries it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from coserve.api.conditions import set_condition
+from coserve.api.conditions import find_condition, set_condition
 from coserve.api.parse import parse_pool
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
@@ -140,7 +142,8 @@ def reconcile(
         PoolEvent("Normal", reason, "; ".join(_action_message(a) for a in actions if _verb_reason(a) == reason))
         for reason in dict.fromkeys(_verb_reason(a) for a in actions)
     ]
-    events += [PoolEvent("Warning", "ChildConflict", message) for message in conflicts]
+    if conflicts and not _reported(previous, ConditionType.DEGRADED, "ChildConflict", "; ".join(conflicts)):
+        events += [PoolEvent("Warning", "ChildConflict", message) for message in conflicts]
     if not autoscaled:
         # A manual `kubectl scale` is undone, but said so: the plan owns replicas while autoscaling is off.
         events += [
@@ -364,7 +367,16 @@ def _invalid(
         generation,
     )
     status = previous.model_copy(update={"observed_generation": generation, "conditions": conditions})
-    return Reconciliation((), status.to_wire(), (PoolEvent("Warning", "InvalidSpec", message),), False)
+    # A new Warning only when the problem is new: the condition already says it to every resync.
+    events = () if _reported(previous, ConditionType.PLAN_VALID, "InvalidSpec", message) else (
+        PoolEvent("Warning", "InvalidSpec", message),)  # fmt: skip
+    return Reconciliation((), status.to_wire(), events, False)
+
+
+def _reported(previous: StatusModel, kind: ConditionType, reason: str, message: str) -> bool:
+    """The last status already carried this problem (same condition reason and message)."""
+    condition = find_condition(previous.conditions, kind)
+    return condition is not None and condition.reason == reason and condition.message == message
 
 
 def _plan_message(plan: Plan) -> str:
