@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "coserve-operator"
 KUBERNETES_VERSION = "1.37.0"
 # Custom resources the schema bundle does not know: checked here by hand instead.
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor"}
+CUSTOM_KINDS = {"ServiceMonitor"}
 
 
 def helm_binary() -> str:
@@ -86,7 +86,10 @@ def test_the_operator_pod_is_locked_down() -> None:
     assert security["capabilities"]["drop"] == ["ALL"]
     assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
     assert container["args"][:2] == ["operator", "--all-namespaces"]
-    assert "--peering=coserve" in container["args"]
+    assert "--lease=coserve-operator" in container["args"]
+    assert deployment["spec"]["replicas"] == 2  # a standby that takes over
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     assert container["image"] == "ghcr.io/coserve/coserve:0.1.0"  # the chart's appVersion
 
 
@@ -112,14 +115,36 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
     assert ("coserve.dev", "coservepools/status", "patch") in granted
     assert ("coserve.dev", "coservepools", "create") not in granted  # users create pools, not the operator
     assert ("", "events", "create") in granted
+    assert ("", "events", "patch") in granted  # a repeated Event is counted, not posted anew
+
+
+def test_the_leader_election_lease_is_the_only_thing_granted_in_the_release_namespace() -> None:
+    objects = render()
+    (role,) = [r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    assert role["metadata"]["namespace"] == "coserve-system"
+    assert {g for r in role["rules"] for g in r["apiGroups"]} == {"coordination.k8s.io"}
+    named = [r for r in role["rules"] if r.get("resourceNames")]
+    assert named == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                      "resourceNames": ["coserve-operator"], "verbs": ["get", "patch"]}]  # fmt: skip
+    (binding,) = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]]
+    assert binding["metadata"]["namespace"] == "coserve-system"
+
+
+def test_without_leader_election_the_operator_runs_standalone() -> None:
+    objects = render("operator.leaderElection.enabled=false", "replicaCount=1")
+    (deployment,) = by_kind(objects, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--standalone" in args and not any(a.startswith("--lease") for a in args)
+    assert not [r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith("-leader-election")]
 
 
 def test_namespaced_mode_creates_nothing_cluster_wide() -> None:
     objects = render("watchNamespaces={llm,batch}")
     assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
-    assert sorted(r["metadata"]["namespace"] for r in by_kind(objects, "Role")) == ["batch", "llm"]
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")) == ["batch", "llm"]
-    assert sorted(p["metadata"]["namespace"] for p in by_kind(objects, "KopfPeering")) == ["batch", "llm"]
+    pool_roles = [r for r in by_kind(objects, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
+    assert sorted(r["metadata"]["namespace"] for r in pool_roles) == ["batch", "llm"]
+    bindings = [b for b in by_kind(objects, "RoleBinding") if not b["metadata"]["name"].endswith("-leader-election")]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["batch", "llm"]
     (deployment,) = by_kind(objects, "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=llm" in args and "--namespace=batch" in args and "--all-namespaces" not in args
@@ -130,7 +155,7 @@ def test_namespaced_mode_creates_nothing_cluster_wide() -> None:
     [
         ("replicaCount=0", "replicaCount"),
         ("image.pullPolicy=Sometimes", "pullPolicy"),
-        ("operatr.peering=x", "operatr"),
+        ("operatr.leaderElection.enabled=false", "operatr"),
         ("watchNamespaces={Bad_Name}", "watchNamespaces"),
         ("operator.resyncSeconds=0", "resyncSeconds"),
     ],

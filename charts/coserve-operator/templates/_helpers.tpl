@@ -42,10 +42,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# a repeated Event is counted on one object (get, patch) instead of posted anew
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
-- apiGroups: ["kopf.dev"]
-  resources: ["kopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["create", "get", "patch"]
 {{- end -}}
