@@ -29,6 +29,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from coserve.operator.autoscaler import PrometheusError, query_prometheus
+from coserve.operator.metrics import AUTOSCALER_EVALUATIONS
 from operator_kmock import MERGE, NS, POOL, POOLS, POOLS_URL, condition, events, eventually, running_operator
 from router_served import free_port
 
@@ -148,6 +149,15 @@ def autoscaled_pool(prometheus_url: str) -> dict[str, Any]:
     return pool
 
 
+def status_writes(kmock: kmocklib.KubernetesEmulator) -> int:
+    return sum(
+        1
+        for request in kmock
+        if str(request.method).upper().endswith("PATCH") and request.resource is not None
+        and request.resource.plural == "coservepools"
+    )  # fmt: skip
+
+
 def replicas(kmock: kmocklib.KubernetesEmulator) -> tuple[int, int]:
     return tuple(  # type: ignore[return-value]
         kmock.objects["apps/v1/deployments", NS, f"chat-{role}"]["spec"]["replicas"]
@@ -227,7 +237,14 @@ async def test_no_data_holds_replicas_and_says_which_query(
         message = condition(kmock, "AutoscalingActive")["message"]
         assert "no_such_metric_total" in message and "replicas held" in message
         planned = replicas(kmock)
-        await asyncio.sleep(2)
+        # A held pool whose outcome does not change stays quiet: evaluations happen, status writes do not.
+        await eventually(lambda: condition(kmock, "Progressing")["reason"] == "WaitingForReplicas", "settled", 20)
+        writes_before = status_writes(kmock)
+        evaluated = AUTOSCALER_EVALUATIONS.labels("NoData")._value.get()
+        await eventually(
+            lambda: AUTOSCALER_EVALUATIONS.labels("NoData")._value.get() >= evaluated + 2, "two more evaluations", 20
+        )
+        assert status_writes(kmock) == writes_before
         assert replicas(kmock) == planned  # never scaled to zero or to min on missing data
         # a user's own query fixes it, through the spec
         fixed = {

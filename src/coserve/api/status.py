@@ -174,7 +174,9 @@ class AutoscalingStatus(ApiModel):
 
     last_evaluation_time: str | None = Field(
         default=None,
-        description="lastEvaluationTime is when signals were last read (RFC 3339).",
+        description="lastEvaluationTime is when the autoscaler last evaluated the pool and its outcome (signals, "
+        "recommendation, replicas, reason or history) changed (RFC 3339); an evaluation that changes nothing is "
+        "not written.",
         json_schema_extra={"format": "date-time"},
     )
     signals: AutoscalingSignals = Field(default_factory=AutoscalingSignals, description="signals seen.")

@@ -359,6 +359,11 @@ class Autoscaler:
             now,
             (body.get("metadata") or {}).get("generation"),
         )
+        timeless = {"last_evaluation_time": None}
+        if conditions == status.conditions and (
+            autoscaling.model_copy(update=timeless) == previous.model_copy(update=timeless)
+        ):
+            return  # NOTE: an evaluation that changes nothing but the time writes nothing (a held pool stays quiet)
         patch = {"autoscaling": autoscaling.to_wire(), "conditions": [c.to_wire() for c in conditions]}
         try:
             written = await self.kube.merge_patch(KIND, namespace, name, {"status": patch}, subresource="status")
