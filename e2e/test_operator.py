@@ -1,7 +1,8 @@
 """The operator against a real cluster: a pool converges to its plan, and deleting it garbage-collects the children.
 
-The operator runs on this machine (`coserve operator --standalone -n NS`, with the
-same KUBECONFIG) unless E2E_OPERATOR_IN_CLUSTER=1 says one is already installed
+The operator runs on this machine (`coserve operator -n NS --lease ...`, with the
+same KUBECONFIG: a client-certificate kubeconfig such as kind's, a token, or an
+exec plugin) unless E2E_OPERATOR_IN_CLUSTER=1 says one is already installed
 (`e2e/kind-up.sh --with-operator` installs the helm chart). Engine pods need GPUs
 and a model, so the tests check what the operator owns: the Deployments' replica
 counts, owner references and the pool's status, not pod readiness.
@@ -28,6 +29,8 @@ Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]  # the `kubectl` fix
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = ROOT / "examples" / "pool.yaml"
+RESYNC_S = 5
+LEASE, IDENTITY = "coserve-e2e-operator", "e2e-operator-a"
 POOL = "e2e-agents"
 CHILDREN = [
     ("configmap", f"{POOL}-config"),
@@ -64,7 +67,22 @@ def operator(
     coserve = Path(sys.executable).with_name("coserve")
     with log.open("w") as out:
         process = subprocess.Popen(
-            [str(coserve), "operator", "--standalone", "-n", namespace, "--resync-s", "5"],
+            [
+                str(coserve),
+                "operator",
+                "-n",
+                namespace,
+                "--resync-s",
+                str(RESYNC_S),
+                "--lease",
+                LEASE,
+                "--lease-namespace",
+                namespace,
+                "--identity",
+                IDENTITY,
+                "--lease-duration-s",
+                "6",
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -127,6 +145,74 @@ def test_the_pool_converges_to_its_plan(kubectl: Kubectl, namespace: str, pool: 
     types = {c["type"]: c for c in status["conditions"]}
     assert types["PlanValid"]["status"] == "True"
     assert status["plan"]["decoders"] == plan["decoders"]
+
+
+def converged(kubectl: Kubectl, namespace: str) -> bool:
+    """Every child exists and the status describes the current generation with nothing left to do."""
+    if not all(get_json(kubectl, namespace, k, n) for k, n in CHILDREN):
+        return False
+    body = get_json(kubectl, namespace, "coservepool", POOL) or {}
+    status = body.get("status") or {}
+    progressing = {c["type"]: c for c in status.get("conditions") or []}.get("Progressing") or {}
+    # pods may stay Pending (no GPUs, no model): waiting for replicas is as converged as the operator gets
+    return status.get("observedGeneration") == body["metadata"]["generation"] and progressing.get("reason") in (
+        "WaitingForReplicas",
+        "Converged",
+    )
+
+
+def versions(kubectl: Kubectl, namespace: str) -> dict[str, str]:
+    out = {"pool": (get_json(kubectl, namespace, "coservepool", POOL) or {})["metadata"]["resourceVersion"]}
+    for kind, name in CHILDREN:
+        out[f"{kind}/{name}"] = (get_json(kubectl, namespace, kind, name) or {})["metadata"]["resourceVersion"]
+    return out
+
+
+def pool_events(kubectl: Kubectl, namespace: str) -> dict[str, int]:
+    listed = json.loads(kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+    return {e["metadata"]["name"]: e.get("count") or 1 for e in listed if e["involvedObject"]["name"] == POOL}
+
+
+def test_the_acting_replica_holds_the_lease(kubectl: Kubectl, namespace: str, pool: dict[str, Any]) -> None:
+    if os.environ.get("E2E_OPERATOR_IN_CLUSTER") == "1":
+        pytest.skip("the installed operator's Lease lives in its own namespace")
+    wait_until(lambda: get_json(kubectl, namespace, "lease", LEASE) is not None, "the Lease", 60)
+    lease = get_json(kubectl, namespace, "lease", LEASE) or {}
+    assert lease["spec"]["holderIdentity"] == IDENTITY
+
+
+def test_a_converged_pool_costs_no_writes_and_no_events(kubectl: Kubectl, namespace: str, pool: dict[str, Any]) -> None:
+    wait_until(lambda: converged(kubectl, namespace), "the pool to converge", 180)
+    before, events_before = versions(kubectl, namespace), pool_events(kubectl, namespace)
+    lease_before = (get_json(kubectl, namespace, "lease", LEASE) or {}).get("spec", {}).get("renewTime")
+    time.sleep(3 * RESYNC_S + 1)  # the window: three resyncs, each a full reconcile of the pool
+    assert versions(kubectl, namespace) == before, "a converged pool was written to"
+    assert pool_events(kubectl, namespace) == events_before, "a converged pool got Events"
+    if os.environ.get("E2E_OPERATOR_IN_CLUSTER") != "1":
+        # the window was not vacuous: the operator was alive and acting (it renewed its Lease meanwhile)
+        lease_after = (get_json(kubectl, namespace, "lease", LEASE) or {}).get("spec", {}).get("renewTime")
+        assert lease_after != lease_before
+
+
+def test_an_owned_field_edited_by_hand_is_put_back_and_others_fields_are_kept(
+    kubectl: Kubectl, namespace: str, pool: dict[str, Any]
+) -> None:
+    wait_until(lambda: converged(kubectl, namespace), "the pool to converge", 180)
+    decoder = f"{POOL}-decoder"
+    image = (get_json(kubectl, namespace, "deployment", decoder) or {})["spec"]["template"]["spec"]["containers"][0][
+        "image"
+    ]
+    edit = {"metadata": {"annotations": {"example.com/owner": "someone-else"}},
+            "spec": {"template": {"spec": {"containers": [{"name": "vllm", "image": "busybox:edited"}]}}}}  # fmt: skip
+    kubectl("patch", "deployment", decoder, "-n", namespace, "--type", "strategic", "-p", json.dumps(edit))
+
+    def restored() -> bool:
+        body = get_json(kubectl, namespace, "deployment", decoder) or {}
+        return body["spec"]["template"]["spec"]["containers"][0]["image"] == image
+
+    wait_until(restored, "the decoder's image to be put back", 60)
+    body = get_json(kubectl, namespace, "deployment", decoder) or {}
+    assert body["metadata"]["annotations"]["example.com/owner"] == "someone-else"
 
 
 def test_deleting_the_pool_garbage_collects_its_children(
