@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import kmock as kmocklib
 import kopf
+from lightkube.config.kubeconfig import SingleConfig
 
 from coserve.operator.handlers import build_registry
 from coserve.operator.kube import config_for
@@ -51,6 +52,21 @@ def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
     declare("coordination.k8s.io/v1/leases", "Lease")
     declare("v1/namespaces", "Namespace", namespaced=False)
     declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", namespaced=False)
+
+
+class ApiServerEmulator(kmocklib.KubernetesEmulator):
+    """kmock answering errors as kube-apiserver does: a ``Status`` with ``Content-Type: application/json``.
+
+    kmock's own error answers say ``application/json; charset=utf-8``, and lightkube recognises a ``Status`` only
+    under the exact ``application/json``, so through ``KubeClient`` a 404 or 409 from stock kmock reads as
+    ``KubeError`` status 0 ("Unreachable"): ``get`` of a missing object raises instead of returning ``None``.
+    Use it with ``pytestmark = pytest.mark.kmock(cls=ApiServerEmulator)``.
+    """
+
+    async def _render_error(self, exc: Exception) -> Any:
+        response = await super()._render_error(exc)
+        response.charset = None  # "application/json", as the API server writes it
+        return response
 
 
 async def eventually(predicate: Callable[[], Any], what: str, timeout_s: float = 15.0) -> Any:
@@ -97,8 +113,13 @@ def condition(kmock: kmocklib.KubernetesEmulator, kind: str) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(kmock: kmocklib.KubernetesEmulator, **options: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def running_operator(
+    kmock: kmocklib.KubernetesEmulator, *, cluster: Callable[[], SingleConfig] | None = None, **options: Any
+) -> AsyncIterator[httpx.AsyncClient]:
     """The coserve operator running against the emulator; yields an HTTP client to the same server.
+
+    ``cluster``: where the operator connects and how it logs in (default: straight to the emulator, anonymous);
+    tests of credentials point it at an authenticating proxy in front of the emulator (``tls_proxy``).
 
     NOTE: a context manager inside the test, not a fixture: when it stops, kopf cancels every task created
     after it started, which would include pytest-asyncio's fixture-teardown task.
@@ -108,7 +129,7 @@ async def running_operator(kmock: kmocklib.KubernetesEmulator, **options: Any) -
     # scanning=False, as `coserve operator -n NS` runs: no namespace or CRD listing (kmock cannot answer the
     # namespace list either).
     registry = build_registry(
-        lambda: config_for(server), scanning=False, namespaces=[NS], resync_s=1.0, **options
+        cluster or (lambda: config_for(server)), scanning=False, namespaces=[NS], resync_s=1.0, **options
     )
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0.1
