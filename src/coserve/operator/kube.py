@@ -330,6 +330,8 @@ class KubeClient:
                 items.append(_plain(item))
         except ApiError as error:
             raise _api_error(error) from None
+        except httpx2.HTTPStatusError as error:  # an error answer without a Kubernetes Status body (a proxy's)
+            raise _status_error(error.response) from None
         except httpx2.HTTPError as error:
             raise KubeError(0, "Unreachable", f"{type(error).__name__}: {error}") from None
         return items
@@ -355,6 +357,8 @@ class KubeClient:
             return await call
         except ApiError as error:
             raise _api_error(error) from None
+        except httpx2.HTTPStatusError as error:  # an error answer without a Kubernetes Status body (a proxy's)
+            raise _status_error(error.response) from None
         except httpx2.HTTPError as error:
             raise KubeError(0, "Unreachable", f"{type(error).__name__}: {error}") from None
 
@@ -370,6 +374,10 @@ def _api_error(error: ApiError) -> KubeError:
     status = error.status
     code = int(status.code or error.response.status_code)
     return KubeError(code, str(status.reason or error.response.reason_phrase), str(status.message or ""))
+
+
+def _status_error(response: httpx2.Response) -> KubeError:
+    return KubeError(response.status_code, response.reason_phrase, response.text[:200])
 
 
 def _parse_selector(selector: str) -> list[tuple[str, str]]:
