@@ -117,6 +117,10 @@ def load_cluster(
         raise KubeError(0, "NoCredentials", f"no usable in-cluster or kubeconfig credentials: {error}") from error
     if config is None:
         raise KubeError(0, "NoCredentials", f"kubeconfig {path} has no current context; pass --context")
+    user = config.user
+    if user is not None and user.token_file and not os.path.isabs(user.token_file):
+        # as kubectl does: relative to the kubeconfig's folder (lightkube's token reader would use the cwd)
+        user.token_file = str(config.abs_file(user.token_file))
     return config
 
 
@@ -330,6 +334,8 @@ class KubeClient:
                 items.append(_plain(item))
         except ApiError as error:
             raise _api_error(error) from None
+        except ConfigError as error:  # e.g. the token file vanished, an exec plugin failed
+            raise KubeError(0, "NoCredentials", str(error)) from None
         except httpx2.HTTPStatusError as error:  # an error answer without a Kubernetes Status body (a proxy's)
             raise _status_error(error.response) from None
         except httpx2.HTTPError as error:
@@ -357,6 +363,8 @@ class KubeClient:
             return await call
         except ApiError as error:
             raise _api_error(error) from None
+        except ConfigError as error:  # e.g. the token file vanished, an exec plugin failed
+            raise KubeError(0, "NoCredentials", str(error)) from None
         except httpx2.HTTPStatusError as error:  # an error answer without a Kubernetes Status body (a proxy's)
             raise _status_error(error.response) from None
         except httpx2.HTTPError as error:
