@@ -57,9 +57,9 @@ def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
 class ApiServerEmulator(kmocklib.KubernetesEmulator):
     """kmock answering errors as kube-apiserver does: a ``Status`` with ``Content-Type: application/json``.
 
-    kmock's own error answers say ``application/json; charset=utf-8``, and lightkube recognises a ``Status`` only
-    under the exact ``application/json``, so through ``KubeClient`` a 404 or 409 from stock kmock reads as
-    ``KubeError`` status 0 ("Unreachable"): ``get`` of a missing object raises instead of returning ``None``.
+    kmock's own error answers say ``application/json; charset=utf-8``, and lightkube parses a ``Status`` (its
+    reason and message) only under the exact ``application/json``: against stock kmock ``KubeError`` carries the
+    HTTP status with the bare reason phrase and body.
     Use it with ``pytestmark = pytest.mark.kmock(cls=ApiServerEmulator)``.
     """
 

@@ -91,7 +91,8 @@ def next_record(
         "leaseDurationSeconds": max(1, round(lease_duration_s)),
         "acquireTime": spec.get("acquireTime") if mine and spec.get("acquireTime") else stamp,
         "renewTime": stamp,
-        "leaseTransitions": transitions if mine or not holder else transitions + 1,
+        # as client-go: every change of holder counts, a release in between included; a new Lease starts at 0
+        "leaseTransitions": transitions if mine or not spec else transitions + 1,
     }
 
 
@@ -127,20 +128,19 @@ class LeaderElector:
     async def run(self) -> None:
         """Try to acquire, then renew, every retry period, until cancelled."""
         while True:
-            was = self.is_leader
             try:
                 acquired = await self.try_acquire_or_renew()
             except KubeError as error:
                 logger.warning("lease %s: %s", self.settings.name, error)
                 acquired = False
-            if acquired and not was:
+            if acquired and not self.leading.is_set():
                 logger.info("lease %s: %s leads", self.settings.name, self.settings.identity)
                 self.leading.set()
                 if self.on_started_leading is not None:
                     result = self.on_started_leading()
                     if asyncio.iscoroutine(result):
                         await result
-            elif was and not self.is_leader:
+            elif self.leading.is_set() and not self.is_leader:
                 logger.warning("lease %s: %s lost the lease; standing by", self.settings.name, self.settings.identity)
                 self.leading.clear()
             await asyncio.sleep(self.settings.retry_period_s)
@@ -189,16 +189,24 @@ class LeaderElector:
         return True
 
     async def release(self) -> None:
-        """Give the Lease up so another replica takes over at its next retry (called on clean shutdown)."""
-        if self._renewed_at is None:
-            return
+        """Give the Lease up so another replica takes over at its next retry (called on clean shutdown).
+
+        Only while this replica still leads, and only if the Lease still names it: a
+        replica that lost the Lease while partitioned must not erase its successor's.
+        """
+        leading = self.is_leader
         self._renewed_at = None
         self.leading.clear()
+        if not leading:
+            return
+        name, namespace = self.settings.name, self.settings.namespace
         with contextlib.suppress(KubeError):
-            await self.kube.merge_patch(
-                "Lease",
-                self.settings.namespace,
-                self.settings.name,
-                {"spec": {"holderIdentity": None, "renewTime": micro_time(self.clock())}},
-            )
-            logger.info("lease %s: released by %s", self.settings.name, self.settings.identity)
+            lease = await self.kube.get("Lease", namespace, name)
+            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.settings.identity:
+                return
+            patch: dict[str, Any] = {"spec": {"holderIdentity": None, "renewTime": micro_time(self.clock())}}
+            version = (lease.get("metadata") or {}).get("resourceVersion")
+            if version:
+                patch["metadata"] = {"resourceVersion": version}
+            await self.kube.merge_patch("Lease", namespace, name, patch)
+            logger.info("lease %s: released by %s", name, self.settings.identity)
