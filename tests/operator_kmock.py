@@ -69,6 +69,51 @@ class ApiServerEmulator(kmocklib.KubernetesEmulator):
         return response
 
 
+def as_stored(obj: Any, *, listed: bool = False) -> Any:
+    """``obj`` as kube-apiserver 1.35 returns it (recorded in ``shared/apiserver-fixtures``): resource quantities
+    as strings, ``publishNotReadyAddresses: false`` left out, and in a LIST no ``apiVersion``/``kind`` per item."""
+
+    def walk(value: Any, keys: tuple[str, ...]) -> Any:
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                if key == "publishNotReadyAddresses" and item is False:
+                    continue
+                out[key] = walk(item, (*keys, key))
+            return out
+        if isinstance(value, list):
+            return [walk(item, keys) for item in value]
+        if len(keys) >= 3 and keys[-3] == "resources" and keys[-2] in ("limits", "requests"):
+            return str(value)
+        return value
+
+    stored = walk(copy.deepcopy(obj), ())
+    if listed and isinstance(stored, dict):
+        stored.pop("apiVersion", None)
+        stored.pop("kind", None)
+    return stored
+
+
+class StoringEmulator(ApiServerEmulator):
+    """``ApiServerEmulator`` that also serves objects the way the API server stores them (``as_stored``).
+
+    NOTE: only what the recordings show; kmock still applies no defaults, no schema and no resourceVersion.
+    """
+
+    async def _serve_list(self, request: Any) -> Any:
+        payload = await super()._serve_list(request)
+        return {**payload, "items": [as_stored(item, listed=True) for item in payload["items"]]}
+
+    async def _serve_fetch(self, request: Any) -> Any:
+        return as_stored(await super()._serve_fetch(request))
+
+    async def _serve_watch(self, request: Any) -> Any:
+        async for event in super()._serve_watch(request):
+            if isinstance(event, dict) and "object" in event:
+                event = {**event, "object": as_stored(event["object"])}
+            yield event
+
+
 async def eventually(predicate: Callable[[], Any], what: str, timeout_s: float = 15.0) -> Any:
     """Poll the emulator's state until ``predicate`` holds (KeyError: the object is not there yet)."""
     deadline = asyncio.get_running_loop().time() + timeout_s

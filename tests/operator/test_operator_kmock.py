@@ -28,6 +28,7 @@ from operator_kmock import (  # noqa: E402
     POOL,
     POOLS,
     POOLS_URL,
+    StoringEmulator,
     condition,
     create_pool,
     declare_resources,
@@ -127,6 +128,49 @@ async def test_a_child_deleted_or_edited_by_hand_is_put_back(kmock: kmocklib.Kub
         )
         reset = await eventually(lambda: events(kmock, "ReplicasReset"), "a ReplicasReset event")
         assert reset[0]["type"] == "Warning" and "enable spec.autoscaling" in reset[0]["message"]
+
+
+def writes(kmock: kmocklib.KubernetesEmulator) -> list[str]:
+    """Every write the operator sent (the tests' own go through other calls): method and resource."""
+    return [
+        f"{str(r.method).upper()} {r.resource.plural}/{r.name or ''}"
+        for r in kmock
+        if r.resource is not None
+        and r.resource.plural != "leases"
+        and any(str(r.method).upper().endswith(verb) for verb in ("POST", "PATCH", "PUT", "DELETE"))
+    ]
+
+
+def pool_lists(kmock: kmocklib.KubernetesEmulator) -> int:
+    """LIST requests for pools that are not watches: one per resync."""
+    return sum(
+        1
+        for r in kmock
+        if r.resource is not None and r.resource.plural == "coservepools" and r.params.get("watch") != "true"
+        and str(r.method).upper().endswith("GET") and r.name is None
+    )  # fmt: skip
+
+
+@pytest.mark.kmock(cls=StoringEmulator)  # objects come back as the real API server stores them
+async def test_ten_resyncs_of_a_converged_pool_write_nothing_and_post_no_event(
+    kmock: kmocklib.KubernetesEmulator,
+) -> None:
+    async with running_operator(kmock) as operator:
+        await create_pool(operator)
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all seven children")
+        await eventually(lambda: condition(kmock, "Progressing")["reason"] == "WaitingForReplicas", "converged")
+        # Someone else's annotation and a server-added default on a child: not the operator's to undo.
+        others = {"metadata": {"annotations": {"example.com/owner": "someone-else"}},
+                  "spec": {"revisionHistoryLimit": 10, "progressDeadlineSeconds": 600}}  # fmt: skip
+        response = await operator.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/chat-decoder", headers=MERGE,
+                                        json=others)  # fmt: skip
+        assert response.status_code == 200
+        before, lists = len(writes(kmock)), pool_lists(kmock)
+        # the window: ten resyncs (resync_s=1), each a LIST of pools and a full reconcile of this one
+        await eventually(lambda: pool_lists(kmock) >= lists + 10, "ten resyncs", timeout_s=30)
+        assert writes(kmock)[before:] == []
+        decoder = kmock.objects["apps/v1/deployments", NS, "chat-decoder"]
+        assert decoder["metadata"]["annotations"]["example.com/owner"] == "someone-else"
 
 
 async def test_a_semantically_invalid_pool_creates_nothing_and_says_why(kmock: kmocklib.KubernetesEmulator) -> None:

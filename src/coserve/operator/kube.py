@@ -321,17 +321,20 @@ class KubeClient:
     async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
         """Every object of ``kind`` in ``namespace`` (``None``: all namespaces) matching ``label_selector``.
 
-        Pages through large collections. Callers that depend on the selector check
+        Pages through large collections. Items carry ``apiVersion`` and ``kind`` like
+        a GET's answer (the API server leaves them out of list items). Callers that depend on the selector check
         labels again: not every API server (kmock) applies it.
         """
         labels: dict[str, Any] | None = dict(_parse_selector(label_selector)) if label_selector else None
         self.requests += 1
         items: list[dict[str, Any]] = []
         try:
+            res = self.resource(kind)
             async for item in self._client.list(
-                self.resource(kind), namespace=namespace if namespace is not None else "*", labels=labels
+                res, namespace=namespace if namespace is not None else "*", labels=labels
             ):
-                items.append(_plain(item))
+                # NOTE: list items come without apiVersion and kind; a pool without them would not parse
+                items.append({"apiVersion": res._api_info.resource.api_version, "kind": kind, **_plain(item)})
         except ApiError as error:
             raise _api_error(error) from None
         except ConfigError as error:  # e.g. the token file vanished, an exec plugin failed
