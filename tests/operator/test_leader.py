@@ -314,8 +314,9 @@ async def test_a_partitioned_holder_stops_before_the_other_replica_starts(
     kmock: kmocklib.KubernetesEmulator, kubes: tuple[KubeClient, KubeClient]
 ) -> None:
     """Both run() loops in real time (short timings): when B starts leading, A already stopped acting."""
-    fast = {"name": "coserve-operator", "namespace": NS, "lease_duration_s": 0.9, "renew_deadline_s": 0.6,
-            "retry_period_s": 0.1}  # fmt: skip
+    # Short, but with room for a loaded CI machine: a 2.4 s renew deadline, renewals every 0.4 s.
+    fast = {"name": "coserve-operator", "namespace": NS, "lease_duration_s": 4.0, "renew_deadline_s": 2.4,
+            "retry_period_s": 0.4}  # fmt: skip
     seen: list[tuple[str, float, bool]] = []
     a: LeaderElector | None = None
 
@@ -330,7 +331,7 @@ async def test_a_partitioned_holder_stops_before_the_other_replica_starts(
     await asyncio.wait_for(a.leading.wait(), 5)
     run_b = asyncio.create_task(b.run())
     try:
-        await asyncio.sleep(1.5)  # over a lease duration: A renews, B stands by
+        await asyncio.sleep(5.0)  # over a lease duration: A renews, B stands by
         assert a.is_leader and not b.is_leader and [who for who, _, _ in seen] == ["a"]
 
         async def unreachable(*_: Any, **__: Any) -> Any:
@@ -338,14 +339,14 @@ async def test_a_partitioned_holder_stops_before_the_other_replica_starts(
 
         a.kube.get = unreachable  # type: ignore[method-assign]
         cut = time.monotonic()
-        await eventually(lambda: not a.is_leader, "A standing by", 5)
+        await eventually(lambda: not a.is_leader, "A standing by", 10)
         stopped_after = time.monotonic() - cut
-        await asyncio.wait_for(b.leading.wait(), 5)
+        await asyncio.wait_for(b.leading.wait(), 10)
         assert [who for who, _, _ in seen] == ["a", "b"]
         _, b_started_at, a_still_leading = seen[-1]
         assert not a_still_leading  # never two acting replicas
-        assert stopped_after <= 0.6 + 0.1 + 0.5  # the renew deadline (from its last renewal) + slack
-        assert b_started_at - cut >= 0.9 - 0.1  # B waited a lease duration (from its last view of A's renewal)
+        assert stopped_after <= 2.4 + 0.4 + 1.0  # the renew deadline (from its last renewal) + slack
+        assert b_started_at - cut >= 4.0 - 0.4  # B waited a lease duration (from its last view of A's renewal)
         assert lease(kmock)["holderIdentity"] == "b"
         assert lease(kmock)["leaseTransitions"] == 1
     finally:
@@ -426,8 +427,9 @@ async def test_a_stale_holder_s_release_leaves_the_new_holder_s_lease_alone(
 async def test_a_partitioned_holder_says_it_stands_by(
     kubes: tuple[KubeClient, KubeClient], caplog: pytest.LogCaptureFixture
 ) -> None:
-    fast = {"name": "coserve-operator", "namespace": NS, "lease_duration_s": 0.9, "renew_deadline_s": 0.6,
-            "retry_period_s": 0.1}  # fmt: skip
+    # Short, but with room for a loaded CI machine: a 2.4 s renew deadline, renewals every 0.4 s.
+    fast = {"name": "coserve-operator", "namespace": NS, "lease_duration_s": 4.0, "renew_deadline_s": 2.4,
+            "retry_period_s": 0.4}  # fmt: skip
     a = LeaderElector(kubes[0], LeaseSettings(identity="a", **fast))
     run_a = asyncio.create_task(a.run())
     try:
