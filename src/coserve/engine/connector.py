@@ -284,3 +284,34 @@ class CoServeConnector(KVConnectorBase_V1):
     @property
     def board(self) -> SafepointBoard | None:
         return self._board
+
+
+# --- finding coserve's connector wherever vLLM put it ----------------------------------------------
+# On GPUs the operator renders MultiConnector with coserve's connector first and NixlConnector (or an
+# offload connector) after it; on CPUs coserve's alone. The scheduler, the worker and the validator
+# must find it either way, or safepoint preemption is silently off where it matters most.
+
+CONNECTOR_NAME = "CoServeConnector"
+
+
+def find_connector(connector: object) -> CoServeConnector | None:
+    """coserve's connector: ``connector`` itself, or one of a MultiConnector's (at any depth)."""
+    if isinstance(connector, CoServeConnector):
+        return connector
+    for child in getattr(connector, "_connectors", None) or ():
+        found = find_connector(child)
+        if found is not None:
+            return found
+    return None
+
+
+def find_metadata(metadata: object) -> CoServeConnectorMetadata | None:
+    """coserve's part of a step's connector metadata (MultiConnector wraps each connector's in a tuple)."""
+    if isinstance(metadata, CoServeConnectorMetadata):
+        return metadata
+    for child in getattr(metadata, "metadata", None) or ():
+        found = find_metadata(child)
+        if found is not None:
+            return found
+    return None
+

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from coserve.engine.connector import CoServeConnector, CoServeConnectorMetadata
+from coserve.engine.connector import find_connector, find_metadata
 from coserve.engine.safepoint import PostedStep, SafepointBoard
 from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching
 from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
@@ -75,9 +75,10 @@ class TDGScheduler(Scheduler):
         self._hold_until = 0.0
         self._arrivals_at_abandon = 0
         self.board: SafepointBoard | None = None
-        if isinstance(self.connector, CoServeConnector):
+        coserve_connector = find_connector(self.connector)  # alone, or inside MultiConnector on GPUs
+        if coserve_connector is not None:
             # Posted even with safepoints off, so the step stays observable (benchmarks' baseline).
-            self.board = SafepointBoard.create(self.connector.board_name)
+            self.board = SafepointBoard.create(coserve_connector.board_name)
         self._num_layers = self.vllm_config.model_config.get_num_layers(self.vllm_config.parallel_config)
         logger.info(
             "coserve TDGScheduler: classes %s, max %d tokens/step",
@@ -141,12 +142,8 @@ class TDGScheduler(Scheduler):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         """Called by the engine core after each step; rolls an abandoned step back first."""
-        metadata = scheduler_output.kv_connector_metadata
-        abandoned = (
-            self.board is not None
-            and isinstance(metadata, CoServeConnectorMetadata)
-            and self.board.take_abandoned(metadata.step_id)
-        )
+        metadata = find_metadata(scheduler_output.kv_connector_metadata)
+        abandoned = self.board is not None and metadata is not None and self.board.take_abandoned(metadata.step_id)
         if self.board is not None:
             self.board.clear_step()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -181,8 +178,8 @@ class TDGScheduler(Scheduler):
             self.max_num_scheduled_tokens = saved
 
     def _post_step(self, output: SchedulerOutput, now_s: float) -> None:
-        metadata = output.kv_connector_metadata
-        if self.board is None or not isinstance(metadata, CoServeConnectorMetadata):
+        metadata = find_metadata(output.kv_connector_metadata)
+        if self.board is None or metadata is None:
             return
         scheduled = output.num_scheduled_tokens
         if not scheduled:

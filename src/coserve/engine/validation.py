@@ -144,11 +144,22 @@ class RequestClassValidator:
         app = scope.get("app")
         vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
         transfer = getattr(vllm_config, "kv_transfer_config", None)
-        if transfer is None or getattr(transfer, "kv_connector", None) != "CoServeConnector":
+        if transfer is None or not configured(transfer):  # coserve's connector alone, or inside MultiConnector
             self._board_checked = True  # no safepoints in this engine
             return None
         self._board = SafepointBoard.attach(board_name(str(transfer.engine_id)))
         return self._board
+
+
+def configured(kv_transfer_config: object) -> bool:
+    """Whether a ``--kv-transfer-config`` loads coserve's connector, alone or inside MultiConnector (GPU pods)."""
+    if kv_transfer_config is None:
+        return False
+    if getattr(kv_transfer_config, "kv_connector", None) == "CoServeConnector":
+        return True
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    return any(isinstance(c, dict) and c.get("kv_connector") == "CoServeConnector" for c in children or ())
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:

@@ -19,7 +19,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
-from coserve.engine.connector import StepPreempted
+from coserve.engine.connector import StepPreempted, find_connector
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -58,7 +58,7 @@ class _SafepointMixin:
         if has_kv_transfer_group():
             connector = get_kv_transfer_group()
             connector.clear_connector_metadata()
-            board = getattr(connector, "board", None)
+            board = getattr(find_connector(connector), "board", None)  # alone, or inside MultiConnector
             rank = getattr(self, "rank", 0)
             if board is not None and rank == 0:
                 board.mark_abandoned(stop.step_id)

