@@ -71,7 +71,8 @@ def render(document: dict[str, Any]) -> list[dict[str, Any]]:
 def cpu_variant(document: dict[str, Any]) -> dict[str, Any]:
     """The same pool on nodes without GPUs: no ``nvidia.com/gpu`` anywhere in the engine's resources."""
     out = copy.deepcopy(document)
-    engine = out["spec"]["engine"]
+    engine = out["spec"].setdefault("engine", {})
+    engine.setdefault("resources", {"limits": {"nvidia.com/gpu": 1}})  # the API's default
     for section in (engine, engine.get("prefiller") or {}, engine.get("decoder") or {}):
         for kind in ("limits", "requests"):
             (section.get("resources") or {}).get(kind, {}).pop("nvidia.com/gpu", None)
