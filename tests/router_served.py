@@ -57,10 +57,12 @@ class FakeEngine:
         self.kv_usage = kv_usage
         self.waiting = waiting
         self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []  # each request's headers, in the order they came
 
         async def complete(request: Request) -> Response:
             body = await request.json()
             self.requests.append(body)
+            self.headers.append(dict(request.headers))
             if body.get("stream"):
 
                 async def chunks() -> Any:

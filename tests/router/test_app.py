@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from coserve.router.app import build_app
+from coserve.router.app import ROUTER_TOKEN_FILE_ENV, ROUTER_TOKEN_HEADER, build_app
 from coserve.router.config import parse_router_config
 from coserve.scheduling.config import DEFAULT_CLASSES
 from router_served import MODEL, FakeEngine, Served
@@ -160,3 +160,36 @@ def test_chat_needs_messages_and_models_and_health_answer(pool: dict[str, Any]) 
     models = httpx.get(f"{pool['router']}/v1/models").json()
     assert models["data"][0]["id"] == MODEL
     assert httpx.get(f"{pool['router']}/health").status_code == 200
+
+
+def test_the_router_proves_itself_to_the_engines_with_the_mounted_token(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("pool-router-token\n")
+    monkeypatch.setenv(ROUTER_TOKEN_FILE_ENV, str(token))
+    prefiller, decoder = FakeEngine("p"), FakeEngine("d")
+    config = parse_router_config(
+        {"model": MODEL, "prefillers": [prefiller.url], "decoders": [decoder.url], "pollS": 0.05}
+    )
+    router = Served(build_app(config))
+    try:
+        response = post(router.url, {"model": MODEL, "prompt": "hi", "max_tokens": 4})
+        assert response.status_code == 200, response.text
+        assert prefiller.headers and decoder.headers
+        for headers in (*prefiller.headers, *decoder.headers):
+            assert headers[ROUTER_TOKEN_HEADER] == "pool-router-token"
+    finally:
+        router.stop()
+        for engine in (prefiller, decoder):
+            engine.served.stop()
+
+
+def test_an_empty_token_file_stops_the_router_at_start_up(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "token").write_text("")
+    monkeypatch.setenv(ROUTER_TOKEN_FILE_ENV, str(tmp_path / "token"))
+    config = parse_router_config(
+        {"model": MODEL, "prefillers": ["http://127.0.0.1:9"], "decoders": ["http://127.0.0.1:9"]}
+    )
+    with pytest.raises(ValueError, match="is empty"):
+        build_app(config)

@@ -314,4 +314,3 @@ def find_metadata(metadata: object) -> CoServeConnectorMetadata | None:
         if found is not None:
             return found
     return None
-

@@ -16,10 +16,20 @@ arrival's first-token deadline, raises the abort flag so the workers leave
 the step at the next layer boundary. Install it with
 ``--middleware coserve.engine.validation.RequestClassValidator`` (the operator
 renders it). It reads the same ``COSERVE_CONFIG`` file as the scheduler.
+
+Only the pool's router may claim a class and raise the flag. When
+``COSERVE_ROUTER_TOKEN_FILE`` names a file (the operator mounts the pool's
+router token there, in the router and in the engines), a request must carry
+that token in ``X-Coserve-Router-Token``; one that does not is served at the
+lowest class, with the class's own SLOs and no ``priority``, and never raises
+the flag, so a client that reaches an engine directly can neither jump the
+queue nor stall other classes' steps. Without the variable (a local engine) every
+request is trusted.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import time
@@ -31,7 +41,18 @@ from coserve.scheduling import InvalidRequestClass, RunningStep, SchedRequest, s
 from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
 from coserve.scheduling.requests import ClassRegistry
 
-__all__ = ["RequestClassValidator", "estimate_prompt_tokens", "openai_error"]
+__all__ = [
+    "ROUTER_TOKEN_FILE_ENV",
+    "ROUTER_TOKEN_HEADER",
+    "RequestClassValidator",
+    "demote",
+    "estimate_prompt_tokens",
+    "load_router_token",
+    "openai_error",
+]
+
+ROUTER_TOKEN_FILE_ENV = "COSERVE_ROUTER_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
+ROUTER_TOKEN_HEADER = "x-coserve-router-token"  # noqa: S105 - a header's name, not a secret
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -47,6 +68,34 @@ def openai_error(message: str, param: str | None, status: int = 400) -> bytes:
     """The error body OpenAI clients parse: ``{"error": {"message", "type", "param", "code"}}``."""
     kind = "BadRequestError" if 400 <= status < 500 else "InternalServerError"
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+
+
+def load_router_token(path: str | None) -> bytes | None:
+    """The pool's router token from ``path`` (``None``: no path, every request is trusted).
+
+    A path that is set but unreadable or empty stops the engine at start-up: trusting every
+    request because a Secret failed to mount would silently reopen what the token closes.
+    """
+    if not path:
+        return None
+    try:
+        token = open(path, "rb").read().strip()  # noqa: SIM115 - read once at start-up
+    except OSError as error:
+        raise ValueError(f"{ROUTER_TOKEN_FILE_ENV}: cannot read {path}: {error}") from error
+    if not token:
+        raise ValueError(f"{ROUTER_TOKEN_FILE_ENV}: {path} is empty")
+    return token
+
+
+def demote(body: dict[str, Any], lowest: str) -> dict[str, Any]:
+    """``body`` as a request without the router's proof is served: the lowest class, its own SLOs, no priority."""
+    out = {k: v for k, v in body.items() if k != "priority"}
+    extra = body.get("vllm_xargs")
+    extra = (
+        {k: v for k, v in extra.items() if k not in ("ttft_slo_ms", "tpot_slo_ms")} if isinstance(extra, dict) else {}
+    )
+    out["vllm_xargs"] = {**extra, "coserve_class": lowest}
+    return out
 
 
 def check_request(body: Any, classes: ClassRegistry) -> InvalidRequestClass | None:
@@ -69,10 +118,14 @@ def check_request(body: Any, classes: ClassRegistry) -> InvalidRequestClass | No
 class RequestClassValidator:
     """Pure ASGI middleware; buffers only the bodies of completion requests (bounded)."""
 
-    def __init__(self, app: ASGIApp, config: EngineSchedulingConfig | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, config: EngineSchedulingConfig | None = None, router_token: bytes | None = None
+    ) -> None:
         self.app = app
         self.config = config or load_engine_config(os.environ.get("COSERVE_CONFIG"), 2048)
         self.classes: ClassRegistry = self.config.classes
+        self.router_token = router_token or load_router_token(os.environ.get(ROUTER_TOKEN_FILE_ENV))
+        self._lowest = max((self.classes.get(n) for n in self.classes.names), key=lambda c: c.rank).name
         offline = self.config.offline_class
         self._offline_rank = self.classes.get(offline).rank if offline is not None else None
         self._board: SafepointBoard | None = None
@@ -109,8 +162,21 @@ class RequestClassValidator:
             await _respond(send, 400, openai_error(f"{problem.field}: {problem.reason}", problem.field))
             return
         if isinstance(parsed, dict):
-            self._maybe_preempt(scope, parsed)
+            if self.router_token is not None and not self._from_router(scope):
+                body = json.dumps(demote(parsed, self._lowest)).encode()
+                scope = {**scope, "headers": _with_length(scope.get("headers") or [], len(body))}
+            else:
+                self._maybe_preempt(scope, parsed)
         await self.app(scope, _replay([body], None, receive), send)
+
+    def _from_router(self, scope: Scope) -> bool:
+        """The request carries the pool's router token (compared in constant time)."""
+        if self.router_token is None:
+            return True
+        for key, value in scope.get("headers") or []:
+            if key.lower() == ROUTER_TOKEN_HEADER.encode():
+                return hmac.compare_digest(bytes(value).strip(), self.router_token)
+        return False
 
     def _maybe_preempt(self, scope: Scope, body: dict[str, Any]) -> None:
         """Raise the abort flag if the arriving request would miss its deadline behind the running step."""
@@ -173,6 +239,12 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
         if isinstance(content, str):
             text += content
     return max(1, len(text) // 4)
+
+
+def _with_length(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
+    """The request headers with ``content-length`` set to the rewritten body's."""
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    return [*kept, (b"content-length", str(length).encode())]
 
 
 def _replay(chunks: list[bytes], pending: Message | None, receive: Receive) -> Receive:

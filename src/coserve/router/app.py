@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import socket
 import time
@@ -66,6 +67,22 @@ __all__ = ["Router", "RouterApp", "build_app", "error_response"]
 logger = logging.getLogger("coserve.router")
 
 _RETRYABLE = {502, 503, 504}
+# The pool's router token (coserve.engine.validation checks it): engines trust a request's class only with it.
+ROUTER_TOKEN_FILE_ENV = "COSERVE_ROUTER_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
+ROUTER_TOKEN_HEADER = "x-coserve-router-token"  # noqa: S105 - a header's name, not a secret
+
+
+def router_token_headers(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The header that proves a request came through the pool's router; none when no token is mounted."""
+    path = (os.environ if environ is None else environ).get(ROUTER_TOKEN_FILE_ENV)
+    if not path:
+        return {}
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"{ROUTER_TOKEN_FILE_ENV}: {path} is empty")
+    return {ROUTER_TOKEN_HEADER: token}
+
+
 _BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
 _BLOCK_SIZE = re.compile(r'block_size="(\d+)"')
 _METRIC = re.compile(r"^(vllm:kv_cache_usage_perc|vllm:num_requests_waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
@@ -165,6 +182,7 @@ class Router:
         self.decoders: dict[str, EngineLoad] = {url: EngineLoad(url) for url in config.decoders}
         self.pins = PinTable(config.pin_ttl_s, config.max_pins)
         self.metrics = _Metrics()
+        self._upstream_headers = router_token_headers()  # read at start-up: a missing token file fails fast
         # NOTE: aiohttp, not httpx: httpx's pool scans every connection on every request, which capped
         # the router at ~400 requests/s with 64 concurrent clients (profiled); aiohttp's does not.
         self._session: aiohttp.ClientSession | None = None
@@ -176,6 +194,7 @@ class Router:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
+                headers=self._upstream_headers,
                 timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=5.0),
                 connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=60),
             )

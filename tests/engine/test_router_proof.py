@@ -1,0 +1,130 @@
+"""Only the pool's router may claim a class and trigger preemption (coserve.engine.validation).
+
+The middleware runs here as the real ASGI class in front of a recording app, with a stand-in for the
+safepoint board (the board itself is shared memory written by a running engine's scheduler; the real
+board is exercised in test_safepoints.py and test_render_parity.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coserve.engine.safepoint import PostedStep
+from coserve.engine.validation import ROUTER_TOKEN_HEADER, RequestClassValidator, demote, load_router_token
+from coserve.scheduling.config import load_engine_config
+
+CONFIG = {
+    "priorityClasses": [
+        {"name": "interactive", "weight": 10, "ttftSloMs": 2000, "tpotSloMs": 200},
+        {"name": "standard", "weight": 3, "ttftSloMs": 10000, "tpotSloMs": 500},
+        {"name": "offline", "weight": 1, "ttftSloMs": 3600000, "tpotSloMs": 10000},
+    ],
+    "offline": {"enabled": True, "className": "offline", "share": 0.5},
+    "costModel": {"k1": 2e-3, "k2": 0.0, "k3": 0.0, "k4": 0.0, "k5": 0.001},
+}
+TOKEN = b"pool-router-token-123"
+URGENT = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "priority": 0,
+          "vllm_xargs": {"coserve_class": "interactive", "ttft_slo_ms": 1}}  # fmt: skip
+
+
+class Board:
+    """Stand-in for the safepoint board: an offline step is in flight; aborts are recorded."""
+
+    def __init__(self) -> None:
+        self.aborts: list[int] = []
+
+    def posted_step(self) -> PostedStep:
+        return PostedStep(step_id=7, started_s=time.time(), predicted_s=0.5, min_rank=2, num_layers=16)
+
+    def request_abort(self, step_id: int) -> None:
+        self.aborts.append(step_id)
+
+
+def validator(tmp_path: Path, token: bytes | None) -> tuple[RequestClassValidator, Board, list[dict[str, Any]]]:
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(CONFIG))
+    seen: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        headers = dict(scope["headers"])
+        seen.append({"body": json.loads(message["body"]), "length": int(headers[b"content-length"])})
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    middleware = RequestClassValidator(app, load_engine_config(str(path), 256), router_token=token)
+    board = Board()
+    middleware._board, middleware._board_checked = board, True  # type: ignore[assignment]
+    return middleware, board, seen
+
+
+def call(middleware: RequestClassValidator, body: dict[str, Any], proof: bytes | None = None) -> int:
+    raw = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    if proof is not None:
+        headers.append((ROUTER_TOKEN_HEADER.encode(), proof))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(middleware(scope, receive, send))
+    return int(sent[0]["status"])
+
+
+@pytest.mark.parametrize("proof", [None, b"", b"wrong-token", TOKEN + b"x"], ids=["none", "empty", "wrong", "longer"])
+def test_a_direct_client_claiming_the_top_class_cannot_raise_the_flag(tmp_path: Path, proof: bytes | None) -> None:
+    middleware, board, seen = validator(tmp_path, TOKEN)
+    assert call(middleware, URGENT, proof) == 200
+    assert board.aborts == []  # never stalls another class's step
+    served = seen[0]["body"]
+    # served at the lowest class, with that class's own SLOs and no priority: it cannot jump the queue either
+    assert served["vllm_xargs"] == {"coserve_class": "offline"}
+    assert "priority" not in served and served["prompt"] == URGENT["prompt"]
+    assert seen[0]["length"] == len(json.dumps(served).encode())
+
+
+def test_the_router_can(tmp_path: Path) -> None:
+    middleware, board, seen = validator(tmp_path, TOKEN)
+    assert call(middleware, URGENT, TOKEN) == 200
+    assert board.aborts == [7]
+    assert seen[0]["body"] == URGENT  # untouched
+
+
+def test_without_a_mounted_token_every_request_is_trusted(tmp_path: Path) -> None:
+    middleware, board, seen = validator(tmp_path, None)
+    assert call(middleware, URGENT) == 200
+    assert board.aborts == [7] and seen[0]["body"] == URGENT
+
+
+def test_a_bad_class_is_still_a_400_before_any_proof_is_judged(tmp_path: Path) -> None:
+    middleware, board, seen = validator(tmp_path, TOKEN)
+    assert call(middleware, {**URGENT, "vllm_xargs": {"coserve_class": "nope"}}) == 400
+    assert board.aborts == [] and seen == []
+
+
+def test_a_token_file_that_is_set_must_be_readable_and_not_empty(tmp_path: Path) -> None:
+    assert load_router_token(None) is None
+    with pytest.raises(ValueError, match="cannot read"):
+        load_router_token(str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_router_token(str(tmp_path / "empty"))
+    (tmp_path / "token").write_text(TOKEN.decode() + "\n")
+    assert load_router_token(str(tmp_path / "token")) == TOKEN
+
+
+def test_demote_keeps_everything_but_the_class_claims() -> None:
+    body = {"prompt": "x", "priority": -5, "vllm_xargs": {"coserve_class": "interactive", "tpot_slo_ms": 5, "k": 1}}
+    assert demote(body, "offline") == {"prompt": "x", "vllm_xargs": {"k": 1, "coserve_class": "offline"}}
+    assert demote({"prompt": "x"}, "offline") == {"prompt": "x", "vllm_xargs": {"coserve_class": "offline"}}
