@@ -40,6 +40,8 @@ CHILDREN = [
     ("service", f"{POOL}-router"),
     ("service", f"{POOL}-prefiller"),
     ("service", f"{POOL}-decoder"),
+    ("secret", f"{POOL}-router-token"),
+    ("networkpolicy", f"{POOL}-engines"),
 ]
 
 

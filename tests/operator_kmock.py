@@ -31,6 +31,8 @@ CHILDREN = [
     ("v1/services", "chat-router"),
     ("v1/services", "chat-prefiller"),
     ("v1/services", "chat-decoder"),
+    ("v1/secrets", "chat-router-token"),
+    ("networking.k8s.io/v1/networkpolicies", "chat-engines"),
 ]
 # the emulator assigns no uid, generation or resourceVersion: the test gives them
 POOL: dict[str, Any] = sample_pool(namespace=NS, uid="uid-chat", generation=1, resourceVersion="1")
@@ -48,6 +50,8 @@ def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
     declare("apps/v1/deployments", "Deployment", subresources=frozenset({"status", "scale"}))
     declare("v1/services", "Service", subresources=frozenset({"status"}))
     declare("v1/configmaps", "ConfigMap")
+    declare("v1/secrets", "Secret")
+    declare("networking.k8s.io/v1/networkpolicies", "NetworkPolicy")
     declare("v1/events", "Event")
     declare("coordination.k8s.io/v1/leases", "Lease")
     declare("v1/namespaces", "Namespace", namespaced=False)

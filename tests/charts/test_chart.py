@@ -110,7 +110,15 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
     assert not any(
         verb in {"delete", "deletecollection", "update", "escalate", "bind", "impersonate"} for _, _, verb in granted
     )
-    assert not any(resource == "secrets" for _, resource, _ in granted)
+    # Secrets: only the verbs the pools' router tokens need (no delete, no update)
+    assert {verb for _, resource, verb in granted if resource == "secrets"} == {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "patch",
+    }
+    assert ("networking.k8s.io", "networkpolicies", "create") in granted
     assert ("apps", "deployments", "create") in granted
     assert ("coserve.dev", "coservepools/status", "patch") in granted
     assert ("coserve.dev", "coservepools", "create") not in granted  # users create pools, not the operator

@@ -15,7 +15,9 @@ Substituted, because it cannot exist on this machine (and nothing else):
 - ``--worker-cls coserve.engine.worker.SafepointGPUWorker`` → ``SafepointCPUWorker`` (no CUDA);
 - inside MultiConnector, ``NixlConnector`` → vLLM's ``ExampleConnector`` (it runs on CPUs),
   in the same position with the same ``kv_role`` (NIXL needs RDMA/UCX and GPUs);
-- the ConfigMap mount ``/etc/coserve`` → a folder holding the rendered ConfigMap's files.
+- the ConfigMap mount ``/etc/coserve`` → a folder holding the rendered ConfigMap's files;
+- the router-token Secret mount ``/etc/coserve-token`` → a folder holding a token (the operator generates
+  the real one when it creates the Secret). Requests that stand for the router's carry it, as the router does.
 
 Added for the CPU backend, as ENVIRONMENT.md prescribes: ``HF_HUB_OFFLINE=1``,
 ``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_CPU_CI_ENV=1`` (eager execution).
@@ -113,8 +115,14 @@ class RenderedEngine:
         config_dir.mkdir(parents=True, exist_ok=True)
         for name, text in config_files(objects).items():
             (config_dir / name).write_text(text)
-        (mount,) = [m for m in self.container["volumeMounts"] if m["name"] == "config"]
-        self.mount, self.config_dir = mount["mountPath"], config_dir
+        token_dir = workdir / "etc-coserve-token"
+        token_dir.mkdir(parents=True, exist_ok=True)
+        self.token = "parity-router-token"  # noqa: S105 - a test token
+        (token_dir / "token").write_text(self.token)
+        mounts = {m["name"]: m["mountPath"] for m in self.container["volumeMounts"]}
+        # mount path in the pod -> folder here (longest first: one path may prefix another)
+        self.mounts = sorted([(mounts["config"], config_dir), (mounts["router-token"], token_dir)],
+                             key=lambda pair: -len(pair[0]))  # fmt: skip
         self.argv = self._argv(model)
         self.env = self._env()
         self.log = workdir / "vllm.log"
@@ -122,7 +130,10 @@ class RenderedEngine:
         self.board: SafepointBoard | None = None
 
     def _local(self, value: str) -> str:
-        return value.replace(self.mount, str(self.config_dir))
+        for mount, folder in self.mounts:
+            if value.startswith(mount + "/") or value == mount or f'"{mount}/' in value:
+                return value.replace(mount, str(folder))
+        return value
 
     def _argv(self, model: Path) -> list[str]:
         command = list(self.container["command"])
@@ -204,11 +215,15 @@ class RenderedEngine:
         if self.board is not None:
             self.board.close()
 
-    def complete(self, prompt: list[int], cls: str, max_tokens: int = 16, **xargs: Any) -> httpx.Response:
+    def complete(
+        self, prompt: list[int], cls: str, max_tokens: int = 16, *, via_router: bool = True, **xargs: Any
+    ) -> httpx.Response:
+        """A completion as the pool's router sends it (with the token), or as a client that reached the engine."""
         served = self.argv[self.argv.index("--served-model-name") + 1]
         return httpx.post(
             f"{self.base}/v1/completions",
             timeout=180,
+            headers={"X-Coserve-Router-Token": self.token} if via_router else {},
             json={"model": served, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                   "ignore_eos": True, "vllm_xargs": {"coserve_class": cls, **xargs}},
         )  # fmt: skip
@@ -311,6 +326,25 @@ def test_an_urgent_arrival_preempts_an_offline_step_in_the_rendered_engine(rende
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
     assert board.num_abort_requests > aborts, "the API server never raised the abort flag"
     assert board.num_preemptions > abandoned, "no worker abandoned a step"
+
+
+def test_a_direct_client_claiming_the_top_class_cannot_preempt_the_rendered_engine(rendered: RenderedEngine) -> None:
+    """The same arrival as above, without the router's token: served (at the lowest class), never an abort."""
+    board = rendered.board
+    assert board is not None
+    aborts = board.num_abort_requests
+    responses = []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for attempt in range(5):
+            background = pool.submit(rendered.complete, [700 + attempt] * 3000, "batch", 2)
+            deadline = time.monotonic() + 5
+            while board.posted_step() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            assert board.posted_step() is not None, "no step in flight to try to preempt"
+            responses.append(rendered.complete([5, 6, 7, 9 + attempt], "premium", 2, via_router=False, ttft_slo_ms=1))
+            responses.append(background.result())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    assert board.num_abort_requests == aborts, "a client without the router's token raised the abort flag"
 
 
 def test_no_flag_the_operator_renders_goes_unlaunched() -> None:

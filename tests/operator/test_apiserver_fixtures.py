@@ -6,6 +6,11 @@ the operator created them: quantities as strings, false booleans left out, serve
 defaults filled in, and (in a raw LIST) items without ``apiVersion`` or ``kind``.
 A reconcile of those must decide nothing; it once patched all seven children on
 every resync. The negative tests change the recordings to show the check can fail.
+
+The recordings predate the pool's router-token Secret and engine NetworkPolicy and the
+token's mount in the pods: ``upgraded`` applies what this version adds to them once, as the
+server would store it (a merge patch; quantities as strings; false booleans left out), and
+checks that an upgrade is exactly that. The world after the upgrade must then decide nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import pytest
 
 from coserve.operator.reconcile import ChildKey, Reconciliation, reconcile
+from operator_kmock import as_stored
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "apiserver-fixtures"
 pytestmark = pytest.mark.skipif(
@@ -107,8 +113,46 @@ CASES = [pytest.param("llm", "agents", source, id=f"llm.agents-{source}") for so
 ]
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies ``application/merge-patch+json``."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+# What this version adds to what the recorded version created: two children, and the token in three pod templates.
+UPGRADE_CREATES = {"Secret", "NetworkPolicy"}
+UPGRADE_PATCHES = {"Deployment"}
+
+
+def upgraded(namespace: str, name: str, observed: Observed) -> Observed:
+    """``observed`` after this version's first reconcile of it, stored as the API server stores objects."""
+    result = decide(pool_body(namespace, name), observed)
+    assert {a.kind for a in result.actions if a.verb == "create"} == UPGRADE_CREATES
+    assert {a.kind for a in result.actions if a.verb == "patch"} <= UPGRADE_PATCHES
+    out = dict(observed)
+    for action in result.actions:
+        key = (action.kind, action.name)
+        if action.verb == "create":
+            body = {**action.body, "data": {"token": "c2VjcmV0"}} if action.kind == "Secret" else action.body
+            out[key] = as_stored(body)
+        else:
+            stored = as_stored(merge_patch(observed[key], action.body))
+            for field in ("apiVersion", "kind"):  # a LIST item stays one
+                if field not in observed[key]:
+                    stored.pop(field, None)
+            out[key] = stored
+    return out
+
+
 def observed_for(namespace: str, name: str, source: str) -> Observed:
-    return copy.deepcopy(SOURCES[source](listed(namespace, name)))
+    return upgraded(namespace, name, copy.deepcopy(SOURCES[source](listed(namespace, name))))
 
 
 def decide(body: dict[str, Any], observed: Observed, now: datetime = NOW) -> Reconciliation:
@@ -123,7 +167,8 @@ def test_the_recordings_cover_every_child() -> None:
     for namespace, name in POOLS:
         observed = listed(namespace, name)
         created = decide(pool_body(namespace, name), {})
-        assert {(a.kind, a.name) for a in created.actions} == set(observed)
+        recorded = {(a.kind, a.name) for a in created.actions if a.kind not in UPGRADE_CREATES}
+        assert recorded == set(observed)
 
 
 @pytest.mark.parametrize(("namespace", "name", "source"), CASES)

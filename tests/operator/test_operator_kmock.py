@@ -11,6 +11,7 @@ the handlers are idempotent, which these tests also exercise.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 from typing import Any
 
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.asyncio
 async def test_a_new_pool_gets_its_children_and_an_honest_status(kmock: kmocklib.KubernetesEmulator) -> None:
     async with running_operator(kmock) as operator:
         await create_pool(operator)
-        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all seven children")
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all nine children")
         for resource, name in CHILDREN:
             child = kmock.objects[resource, NS, name]
             (owner,) = child["metadata"]["ownerReferences"]
@@ -66,6 +67,12 @@ async def test_a_new_pool_gets_its_children_and_an_honest_status(kmock: kmocklib
         assert status["decoders"] == f"{decoders}/0"
         # no finalizer: deleting a pool never waits for the operator
         assert not kmock.objects[POOLS, NS, "chat"]["metadata"].get("finalizers")
+        # the router token: random, generated once, mounted by router and engines
+        token = base64.b64decode(kmock.objects["v1/secrets", NS, "chat-router-token"]["data"]["token"])
+        assert len(token) >= 32
+        for role in ("router", "decoder", "prefiller"):
+            pod = kmock.objects["apps/v1/deployments", NS, f"chat-{role}"]["spec"]["template"]["spec"]
+            assert {"name": "router-token", "secret": {"secretName": "chat-router-token"}} in pod["volumes"]
         # children are read from the watch-fed cache, never one by one from the API server
         assert not [
             request
@@ -102,7 +109,7 @@ async def test_a_spec_change_patches_the_children_in_place(kmock: kmocklib.Kuber
 async def test_a_child_deleted_or_edited_by_hand_is_put_back(kmock: kmocklib.KubernetesEmulator) -> None:
     async with running_operator(kmock) as operator:
         await create_pool(operator)
-        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all seven children")
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all nine children")
         await asyncio.sleep(1.0)  # let kopf drain the events of the pool's own creation
 
         response = await operator.delete(f"/api/v1/namespaces/{NS}/services/chat-router")
@@ -157,7 +164,7 @@ async def test_ten_resyncs_of_a_converged_pool_write_nothing_and_post_no_event(
 ) -> None:
     async with running_operator(kmock) as operator:
         await create_pool(operator)
-        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all seven children")
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all nine children")
         await eventually(lambda: condition(kmock, "Progressing")["reason"] == "WaitingForReplicas", "converged")
         # Someone else's annotation and a server-added default on a child: not the operator's to undo.
         others = {"metadata": {"annotations": {"example.com/owner": "someone-else"}},
@@ -196,7 +203,7 @@ async def test_a_semantically_invalid_pool_creates_nothing_and_says_why(kmock: k
 async def test_deleting_a_pool_lets_go_cleanly(kmock: kmocklib.KubernetesEmulator) -> None:
     async with running_operator(kmock) as operator:
         await create_pool(operator)
-        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all seven children")
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all nine children")
         response = await operator.delete(f"{POOLS_URL}/chat")
         assert response.status_code == 200
         await eventually(lambda: kmock.objects[POOLS, NS, "chat"].deleted, "the pool gone (no finalizer holds it)")

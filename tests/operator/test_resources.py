@@ -40,6 +40,8 @@ EXPECTED_ORDER = [
     ("Service", "chat-router"),
     ("Service", "chat-prefiller"),
     ("Service", "chat-decoder"),
+    ("Secret", "chat-router-token"),
+    ("NetworkPolicy", "chat-engines"),
 ]
 
 
@@ -97,7 +99,9 @@ def test_children_have_the_documented_kinds_names_and_order() -> None:
 
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == EXPECTED_ORDER
     assert child_keys("chat") == EXPECTED_ORDER  # what the operator reads before each reconcile
-    assert [c["apiVersion"] for c in children] == ["v1", "apps/v1", "apps/v1", "apps/v1", "v1", "v1", "v1"]
+    assert [c["apiVersion"] for c in children] == [
+        "v1", "apps/v1", "apps/v1", "apps/v1", "v1", "v1", "v1", "v1", "networking.k8s.io/v1"
+    ]  # fmt: skip
 
 
 def test_engine_replicas_follow_the_plan_and_router_replicas_follow_the_spec() -> None:
@@ -121,7 +125,8 @@ def test_every_object_carries_the_labels_and_the_pool_namespace(namespace: str |
 
     children = render(document)
 
-    components = ["config", "prefiller", "decoder", "router", "router", "prefiller", "decoder"]
+    components = ["config", "prefiller", "decoder", "router", "router", "prefiller", "decoder", "router-token",
+                  "engines"]  # fmt: skip
     for child, component in zip(children, components, strict=True):
         assert child["metadata"]["labels"] == {
             "app.kubernetes.io/name": "coserve",
@@ -509,6 +514,7 @@ def test_engine_container_runs_vllm_with_the_coserve_plugin(role: str) -> None:
         {"name": "COSERVE_ROLE", "value": role},
         {"name": "COSERVE_CONFIG", "value": "/etc/coserve/engine.json"},
         {"name": "VLLM_PLUGINS", "value": "coserve"},
+        {"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"},
     ]
     assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert engine["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
@@ -537,10 +543,12 @@ def test_engine_pods_mount_the_config_read_only_and_shared_memory(role: str) -> 
     assert pod["volumes"] == [
         {"name": "config", "configMap": {"name": "chat-config"}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "router-token", "secret": {"secretName": "chat-router-token"}},
     ]
     assert pod["containers"][0]["volumeMounts"] == [
         {"name": "config", "mountPath": "/etc/coserve", "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},  # noqa: S108 (a path in the pod)
+        {"name": "router-token", "mountPath": "/etc/coserve-token", "readOnly": True},
     ]
 
 
@@ -574,6 +582,10 @@ def test_router_runs_coserve_router_with_restricted_security() -> None:
     assert {"name": "config", "mountPath": "/etc/coserve", "readOnly": True} in router["volumeMounts"]
     assert {"name": "batches", "mountPath": "/var/lib/coserve/batches"} in router["volumeMounts"]
     assert {"name": "batches", "emptyDir": {}} in pod["volumes"]  # no claim: batches live as long as the pod
+    # the router proves itself to the engines with the pool's token
+    assert {"name": "router-token", "secret": {"secretName": "chat-router-token"}} in pod["volumes"]
+    assert {"name": "router-token", "mountPath": "/etc/coserve-token", "readOnly": True} in router["volumeMounts"]
+    assert router["env"] == [{"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"}]
 
 
 def test_offline_batches_live_on_the_named_claim() -> None:
@@ -666,3 +678,52 @@ def test_the_worker_class_follows_the_gpu_request(
     for role, expected in (("prefiller", prefiller_worker), ("decoder", decoder_worker)):
         args = engine_args(spec, role)  # type: ignore[arg-type]
         assert args[args.index("--worker-cls") + 1] == f"coserve.engine.worker.{expected}"
+
+
+def test_the_router_token_secret_carries_no_data_the_operator_generates_it() -> None:
+    (secret,) = [c for c in render(make_pool()) if c["kind"] == "Secret"]
+    assert secret["type"] == "Opaque" and "data" not in secret and "stringData" not in secret
+
+
+def test_engines_admit_only_the_pools_own_pods_and_the_metrics_scrapers() -> None:
+    document = make_pool(engine={"metricsScrapers": [{"podLabels": {"app": "vm"}, "namespaceLabels": {"team": "obs"}},
+                                                     {"podLabels": {"app": "local"}}]})  # fmt: skip
+    (policy,) = [c for c in render(document) if c["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    assert spec["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/instance": "chat"},
+        "matchExpressions": [{"key": "coserve.dev/role", "operator": "In", "values": ["prefiller", "decoder"]}],
+    }
+    assert spec["policyTypes"] == ["Ingress"]
+    own, scrapers = spec["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "chat",
+                                                             "app.kubernetes.io/name": "coserve"}}}]}  # fmt: skip
+    assert scrapers == {
+        "from": [
+            {"podSelector": {"matchLabels": {"app": "vm"}}, "namespaceSelector": {"matchLabels": {"team": "obs"}}},
+            {"podSelector": {"matchLabels": {"app": "local"}}},  # the pool's namespace only
+        ],
+        "ports": [{"protocol": "TCP", "port": 8000}],
+    }
+    # the router's pods carry the labels the first rule admits
+    router_labels = deployment(render(document), "router")["spec"]["template"]["metadata"]["labels"]
+    assert own["from"][0]["podSelector"]["matchLabels"].items() <= router_labels.items()
+
+
+def test_by_default_prometheus_pods_in_any_namespace_may_scrape_the_engines() -> None:
+    (policy,) = [c for c in render(make_pool()) if c["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["ingress"][1]["from"] == [
+        {
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            "namespaceSelector": {"matchLabels": {}},
+        }
+    ]
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES_DIR.glob("pool*.yaml")), ids=lambda p: p.name)
+def test_every_rendered_child_is_valid_for_the_kubernetes_api_schema(path: Path) -> None:
+    """NetworkPolicy, Secret, Deployments, Services and the ConfigMap, against Kubernetes 1.35's schemas (strict)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    pool, plan = load_example(path)
+    for child in build_children(pool, plan):
+        kubernetes_validate.validate(child, "1.35.0", strict=True)  # the recorded API server's version

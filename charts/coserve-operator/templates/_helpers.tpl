@@ -42,6 +42,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# each pool's router token (a Secret it creates once) and the NetworkPolicy in front of its engines;
+# RBAC cannot narrow list/watch to the operator's own Secrets, so the operator's watch selects them by label
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # a repeated Event is counted on one object (get, patch) instead of posted anew
 - apiGroups: [""]
   resources: ["events"]

@@ -169,6 +169,24 @@ class RoleOverrides(ApiModel):
     )
 
 
+class ScraperPeer(ApiModel):
+    """Pods that may reach the engines' port to scrape their metrics (a NetworkPolicy peer, by labels)."""
+
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict, description="podLabels select the scraper's pods; empty selects every pod."
+    )
+    namespace_labels: dict[str, str] | None = Field(
+        default=None,
+        description="namespaceLabels select the namespaces the scraper's pods run in; {} selects every "
+        "namespace, unset only the pool's own.",
+    )
+
+
+def _default_scrapers() -> list[ScraperPeer]:
+    # Prometheus as the Prometheus Operator and its Helm chart label it, in any namespace.
+    return [ScraperPeer(pod_labels={"app.kubernetes.io/name": "prometheus"}, namespace_labels={})]
+
+
 class EngineSpec(ApiModel):
     """The vLLM engine that prefillers and decoders run."""
 
@@ -200,6 +218,14 @@ class EngineSpec(ApiModel):
     )
     decoder: RoleOverrides = Field(
         default_factory=RoleOverrides, description="decoder holds overrides for the decoder role."
+    )
+    metrics_scrapers: list[ScraperPeer] = Field(
+        default_factory=_default_scrapers,
+        max_length=16,
+        description="metricsScrapers may reach the engines' port besides the pool's own pods (the pool's "
+        "NetworkPolicy admits nobody else); the default admits Prometheus pods labelled "
+        "app.kubernetes.io/name=prometheus in any namespace. vLLM serves /metrics on its API port, so a "
+        "scraper can also send requests, which the engines serve at the lowest class without the router's token.",
     )
 
 

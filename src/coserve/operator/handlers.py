@@ -42,10 +42,12 @@ election for a single replica.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +70,7 @@ from coserve.operator.kube import KubeClient, KubeError, describe, fetch_credent
 from coserve.operator.leader import LeaderElector, LeaseSettings
 from coserve.operator.metrics import CHILD_CHANGES, POOLS, RECONCILE_SECONDS, RECONCILES
 from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
-from coserve.operator.resources import CHILDREN, MANAGED_BY, MANAGED_BY_LABEL, child_keys
+from coserve.operator.resources import CHILDREN, MANAGED_BY, MANAGED_BY_LABEL, TOKEN_KEY, child_keys
 
 __all__ = ["DEFAULT_RESYNC_S", "PoolReconciler", "build_registry", "configure"]
 
@@ -206,7 +208,7 @@ class PoolReconciler:
         for action in result.actions:
             try:
                 if action.verb == "create":
-                    written = await self.kube.create(action.kind, namespace, action.body)
+                    written = await self.kube.create(action.kind, namespace, _with_generated(action.body))
                 else:
                     written = await self.kube.merge_patch(action.kind, namespace, action.name, action.body)
             except KubeError as error:
@@ -256,6 +258,14 @@ class PoolReconciler:
             return None, Problem(f"{path}.key", f"{ref['name']}[{key}] is not YAML: {error}")
         except InvalidInput as error:
             return None, Problem(f"{path}.key", f"{ref['name']}[{key}]: " + "; ".join(map(str, error.problems)))
+
+
+def _with_generated(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A new router-token Secret gets its random token here (the pure builder renders none); never changed after."""
+    if body.get("kind") != "Secret" or body.get("data"):
+        return body
+    token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
+    return {**body, "data": {TOKEN_KEY: token}}
 
 
 def configure(settings: kopf.OperatorSettings, *, scanning: bool = True) -> None:
@@ -438,7 +448,13 @@ def build_registry(
             await run(namespace, name)
 
     labels = {MANAGED_BY_LABEL: MANAGED_BY}
-    watched = {"Deployment": ("apps", "deployments"), "Service": ("", "services"), "ConfigMap": ("", "configmaps")}
+    watched = {
+        "Deployment": ("apps", "deployments"),
+        "Service": ("", "services"),
+        "ConfigMap": ("", "configmaps"),
+        "Secret": ("", "secrets"),
+        "NetworkPolicy": ("networking.k8s.io", "networkpolicies"),
+    }
     for kind in child_kinds:
         group, plural = watched[kind]
 

@@ -50,7 +50,8 @@ from lightkube.core.exceptions import ApiError, ConfigError
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import ConfigMap, Event, Service
+from lightkube.resources.core_v1 import ConfigMap, Event, Secret, Service
+from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.types import PatchType
 
 __all__ = [
@@ -77,6 +78,8 @@ RESOURCES: dict[str, Any] = {
     "Event": Event,
     "Deployment": Deployment,
     "Lease": Lease,
+    "Secret": Secret,
+    "NetworkPolicy": NetworkPolicy,
     "CoServePool": CoServePoolResource,
 }
 

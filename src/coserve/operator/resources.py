@@ -82,7 +82,7 @@ __all__ = [
 
 Manifest = dict[str, Any]  # one Kubernetes object, JSON-ready
 
-Component = Literal["prefiller", "decoder", "router", "config"]
+Component = Literal["prefiller", "decoder", "router", "config", "router-token", "engines"]
 EngineRole = Literal["prefiller", "decoder"]
 COMPONENTS: tuple[Component, ...] = get_args(Component)
 ENGINE_ROLES: tuple[EngineRole, ...] = get_args(EngineRole)
@@ -108,6 +108,13 @@ ROUTER_CONFIG_KEY = "router.json"
 ROUTER_BATCH_PATH = "/var/lib/coserve/batches"
 ENGINE_CONFIG_PATH = f"{CONFIG_MOUNT_PATH}/{ENGINE_CONFIG_KEY}"
 ROUTER_CONFIG_PATH = f"{CONFIG_MOUNT_PATH}/{ROUTER_CONFIG_KEY}"
+
+# The pool's router token: generated once by the operator into a Secret, mounted in router and engines
+# (coserve.engine.validation trusts a request's class only with it).
+TOKEN_VOLUME = "router-token"  # noqa: S105 - a volume name, not a secret
+TOKEN_MOUNT_PATH = "/etc/coserve-token"  # noqa: S105 - a path, not a secret
+TOKEN_KEY = "token"  # noqa: S105 - a key name, not a secret
+TOKEN_FILE_ENV = "COSERVE_ROUTER_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
 
 ENGINE_CONTAINER = "vllm"
 ENGINE_COMMAND = ("python3", "-m", "vllm.entrypoints.openai.api_server")
@@ -147,6 +154,8 @@ def build_children(pool: CoServePool, plan: Plan, *, operator_image_tag: str | N
         _router_service(pool),
         _engine_service(pool, "prefiller"),
         _engine_service(pool, "decoder"),
+        _token_secret(pool),
+        _engine_network_policy(pool),
     ]
     return [_without_none(child) for child in children]
 
@@ -163,6 +172,8 @@ CHILDREN: tuple[tuple[str, Component], ...] = (
     ("Service", "router"),
     ("Service", "prefiller"),
     ("Service", "decoder"),
+    ("Secret", "router-token"),
+    ("NetworkPolicy", "engines"),
 )
 
 
@@ -342,6 +353,7 @@ def _engine_env(spec: SpecModel, role: EngineRole) -> list[Manifest]:
         {"name": "COSERVE_ROLE", "value": role},
         {"name": "COSERVE_CONFIG", "value": ENGINE_CONFIG_PATH},
         {"name": "VLLM_PLUGINS", "value": "coserve"},
+        _token_env(),
     ]
     offload = spec.kv_offload
     if offload.enabled and offload.backend == KVOffloadBackend.LMCACHE and uses_gpus(spec, role):
@@ -412,6 +424,18 @@ def _config_mount() -> Manifest:
     return {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_PATH, "readOnly": True}
 
 
+def _token_volume(pool: CoServePool) -> Manifest:
+    return {"name": TOKEN_VOLUME, "secret": {"secretName": child_name(pool.metadata.name, "router-token")}}
+
+
+def _token_mount() -> Manifest:
+    return {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_PATH, "readOnly": True}
+
+
+def _token_env() -> Manifest:
+    return {"name": TOKEN_FILE_ENV, "value": f"{TOKEN_MOUNT_PATH}/{TOKEN_KEY}"}
+
+
 def _engine_container(spec: SpecModel, role: EngineRole) -> Manifest:
     engine = spec.engine
     overrides = _role_overrides(engine, role)
@@ -431,7 +455,7 @@ def _engine_container(spec: SpecModel, role: EngineRole) -> Manifest:
         "readinessProbe": _http_probe("/health", period_s=5, failure_threshold=3, timeout_s=5),
         "resources": _resources(overrides.resources or engine.resources),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [_config_mount(), {"name": "dshm", "mountPath": "/dev/shm"}],  # noqa: S108 (a path in the pod)
+        "volumeMounts": [_config_mount(), {"name": "dshm", "mountPath": "/dev/shm"}, _token_mount()],  # noqa: S108
     }
 
 
@@ -446,6 +470,7 @@ def _engine_deployment(pool: CoServePool, role: EngineRole, replicas: int, diges
             # vLLM's workers (tensor parallelism, NCCL) exchange data through /dev/shm,
             # which the container runtime caps at 64 MiB.
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            _token_volume(pool),
         ],
         "nodeSelector": dict(overrides.node_selector) if overrides.node_selector else None,
         "tolerations": [t.to_wire() for t in overrides.tolerations] if overrides.tolerations else None,
@@ -506,6 +531,7 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "name": ROUTER_CONTAINER,
         "image": image,
         "command": ["coserve", "router", "--config", ROUTER_CONFIG_PATH, "--port", str(ROUTER_PORT)],
+        "env": [_token_env()],
         "ports": [{"name": PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "livenessProbe": _http_probe("/health", period_s=10, failure_threshold=3),
         "readinessProbe": _http_probe("/health", period_s=5, failure_threshold=3),
@@ -522,6 +548,7 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
             _config_mount(),
             {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (a path in the pod)
             {"name": "batches", "mountPath": ROUTER_BATCH_PATH},
+            _token_mount(),
         ],
     }
     # Offline batches outlive a router pod only on a claim; an emptyDir still survives container restarts.
@@ -537,7 +564,7 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [_config_volume(pool), {"name": "tmp", "emptyDir": {}}, batches],
+        "volumes": [_config_volume(pool), {"name": "tmp", "emptyDir": {}}, batches, _token_volume(pool)],
     }
     annotations = {
         CONFIG_HASH_ANNOTATION: digest,
@@ -547,6 +574,50 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "prometheus.io/path": "/metrics",
     }
     return _deployment(pool, "router", router.replicas, annotations, pod_spec)
+
+
+# --- the router token and who may reach the engines ---------------------------------------------
+
+
+def _token_secret(pool: CoServePool) -> Manifest:
+    """The Secret that holds the pool's router token. Its ``data`` is not rendered: the operator
+    generates a random token when it creates the Secret and never changes it (drift ignores ``data``)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(pool, "router-token"),
+        "type": "Opaque",
+    }
+
+
+def _engine_network_policy(pool: CoServePool) -> Manifest:
+    """Engine pods accept traffic from the pool's own pods (router, prefillers, decoders: requests and KV
+    handoff) on any port, and from ``spec.engine.metricsScrapers`` on the engine port; nobody else."""
+    name = pool.metadata.name
+    scrapers = []
+    for peer in pool.spec.engine.metrics_scrapers:
+        entry: Manifest = {"podSelector": {"matchLabels": dict(peer.pod_labels)}}
+        if peer.namespace_labels is not None:
+            entry["namespaceSelector"] = {"matchLabels": dict(peer.namespace_labels)}
+        scrapers.append(entry)
+    ingress: list[Manifest] = [
+        {"from": [{"podSelector": {"matchLabels": {INSTANCE_LABEL: name, NAME_LABEL: APP_NAME}}}]}
+    ]
+    if scrapers:
+        ingress.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(pool, "engines"),
+        "spec": {
+            "podSelector": {
+                "matchLabels": {INSTANCE_LABEL: name},
+                "matchExpressions": [{"key": ROLE_LABEL, "operator": "In", "values": list(ENGINE_ROLES)}],
+            },
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
 
 
 # --- Services ----------------------------------------------------------------------------------
