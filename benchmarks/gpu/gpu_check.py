@@ -489,7 +489,10 @@ def report_problems(results: Results) -> int:
     if results.correctness is not None and results.correctness["abandoned_steps"] == 0:
         say("WARNING: the correctness probe abandoned no step, so it proved nothing")
     if results.on.latency is not None and not results.on.latency["exit_s"]:
-        problems.append("no urgent arrival preempted a step: the request validator never raised the abort flag")
+        problems.append(
+            "no urgent arrival's step exit was measured (exit_s is empty): either the validator raised no abort "
+            "or every abort came after its step had ended (steps too short?); see engine-on.log"
+        )
     missing = {"kv_reload", "preemption_latency", "safepoint_overhead"} - set(results.written)
     if missing:
         problems.append(f"not written: {', '.join(sorted(missing))}")
