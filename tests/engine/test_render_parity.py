@@ -34,7 +34,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -49,6 +48,7 @@ import yaml
 
 from coserve.engine.safepoint import SafepointBoard
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
+from engine_handle import Chaos
 
 pytestmark = pytest.mark.slow
 
@@ -232,33 +232,6 @@ class RenderedEngine:
 def text(response: httpx.Response) -> str:
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
-
-
-class Chaos:
-    """Asks the workers to abandon every other posted step at its next layer boundary."""
-
-    def __init__(self, board: SafepointBoard) -> None:
-        self.board, self.stop = board, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        last, aborting = -1, True
-        while not self.stop.is_set():
-            step = self.board.posted_step()
-            if step is not None and step.step_id != last:
-                last = step.step_id
-                if aborting:
-                    self.board.request_abort(step.step_id)
-                aborting = not aborting
-            time.sleep(0.0005)
-
-    def __enter__(self) -> Chaos:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -11,7 +10,7 @@ import httpx
 import pytest
 
 from coserve.engine.safepoint import SafepointBoard, board_name
-from engine_handle import Engine
+from engine_handle import Chaos, Engine
 
 pytestmark = pytest.mark.slow
 
@@ -36,35 +35,6 @@ def complete(base: str, prompt: list[int], cls: str, max_tokens: int = 24, **xar
 def text(response: httpx.Response) -> str:
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
-
-
-class Chaos:
-    """Abandons every other posted step at its next layer boundary, from another process's view."""
-
-    def __init__(self, board: SafepointBoard) -> None:
-        self.board = board
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        last = -1
-        aborting = True
-        while not self.stop.is_set():
-            step = self.board.posted_step()
-            if step is not None and step.step_id != last:
-                last = step.step_id
-                if aborting:
-                    self.board.request_abort(step.step_id)
-                aborting = not aborting
-            time.sleep(0.0005)
-
-    def __enter__(self) -> Chaos:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def test_preempted_requests_give_the_same_greedy_tokens_as_alone(engine: Engine) -> None:

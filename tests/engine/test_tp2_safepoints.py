@@ -8,18 +8,16 @@ binds rank 0 to core 0 and rank 1 to core 1 by hand, which is what vLLM's messag
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.engine.safepoint import SafepointBoard, board_name
+from engine_handle import Chaos
 
 pytestmark = pytest.mark.slow
 
@@ -70,33 +68,6 @@ def complete(base: str, prompt: list[int], cls: str, max_tokens: int = 16) -> st
     )  # fmt: skip
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
-
-
-class Chaos:
-    """Asks the workers to abandon every other posted step at its next layer boundary."""
-
-    def __init__(self, board: SafepointBoard) -> None:
-        self.board, self.stop = board, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        last, aborting = -1, True
-        while not self.stop.is_set():
-            step = self.board.posted_step()
-            if step is not None and step.step_id != last:
-                last = step.step_id
-                if aborting:
-                    self.board.request_abort(step.step_id)
-                aborting = not aborting
-            time.sleep(0.0005)
-
-    def __enter__(self) -> Chaos:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def test_a_tp2_engine_abandons_steps_on_every_rank_and_changes_no_output(tp2_engine: EngineServer) -> None:

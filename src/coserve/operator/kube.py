@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -331,21 +332,13 @@ class KubeClient:
         labels: dict[str, Any] | None = dict(_parse_selector(label_selector)) if label_selector else None
         self.requests += 1
         items: list[dict[str, Any]] = []
-        try:
-            res = self.resource(kind)
+        res = self.resource(kind)
+        with _translated():
             async for item in self._client.list(
                 res, namespace=namespace if namespace is not None else "*", labels=labels
             ):
                 # NOTE: list items come without apiVersion and kind; a pool without them would not parse
                 items.append({"apiVersion": res._api_info.resource.api_version, "kind": kind, **_plain(item)})
-        except ApiError as error:
-            raise _api_error(error) from None
-        except ConfigError as error:  # e.g. the token file vanished, an exec plugin failed
-            raise KubeError(0, "NoCredentials", str(error)) from None
-        except httpx2.HTTPStatusError as error:  # an error answer without a Kubernetes Status body (a proxy's)
-            raise _status_error(error.response) from None
-        except httpx2.HTTPError as error:
-            raise KubeError(0, "Unreachable", f"{type(error).__name__}: {error}") from None
         return items
 
     async def create(self, kind: str, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -365,16 +358,23 @@ class KubeClient:
     async def _call(self, write: bool, call: Any) -> Any:
         self.requests += 1
         self.writes += int(write)
-        try:
+        with _translated():
             return await call
-        except ApiError as error:
-            raise _api_error(error) from None
-        except ConfigError as error:  # e.g. the token file vanished, an exec plugin failed
-            raise KubeError(0, "NoCredentials", str(error)) from None
-        except httpx2.HTTPStatusError as error:  # an error answer without a Kubernetes Status body (a proxy's)
-            raise _status_error(error.response) from None
-        except httpx2.HTTPError as error:
-            raise KubeError(0, "Unreachable", f"{type(error).__name__}: {error}") from None
+
+
+@contextlib.contextmanager
+def _translated() -> Iterator[None]:
+    """lightkube's and httpx2's errors as ``KubeError``: translated once, at the boundary."""
+    try:
+        yield
+    except ApiError as error:
+        raise _api_error(error) from None
+    except ConfigError as error:  # e.g. the token file vanished, an exec plugin failed
+        raise KubeError(0, "NoCredentials", str(error)) from None
+    except httpx2.HTTPStatusError as error:  # an error answer without a Kubernetes Status body (a proxy's)
+        raise _status_error(error.response) from None
+    except httpx2.HTTPError as error:
+        raise KubeError(0, "Unreachable", f"{type(error).__name__}: {error}") from None
 
 
 def _plain(obj: Any) -> dict[str, Any]:
