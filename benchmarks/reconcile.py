@@ -177,6 +177,16 @@ async def reconciled(client: httpx.AsyncClient) -> set[str]:
     return {i["metadata"]["name"] for i in items if ((i.get("status") or {}).get("plan"))}
 
 
+async def settled(client: httpx.AsyncClient) -> bool:
+    """Every pool's last status says it is waiting for replicas: nothing left to create or patch."""
+    items = (await client.get(POOLS_URL)).json()["items"]
+    for item in items:
+        conditions = {c["type"]: c for c in (item.get("status") or {}).get("conditions") or []}
+        if conditions.get("Progressing", {}).get("reason") != "WaitingForReplicas":
+            return False
+    return bool(items)
+
+
 async def children_present(client: httpx.AsyncClient, names: list[str]) -> bool:
     for resource, component in COMPONENTS:
         items = (await client.get(collection(resource))).json()["items"]
@@ -373,6 +383,12 @@ async def run(single: int, burst: int, window_s: float) -> dict[str, Any]:
                 if ":" not in m and after[m] > before.get(m, 0)
             }
             rss = rss_bytes(operator.pid)
+            # converged: the follow-up reconcile of each new pool has written WaitingForReplicas
+            deadline = time.perf_counter() + 60
+            while not await settled(client):
+                if time.perf_counter() > deadline:
+                    raise RuntimeError("the pools did not settle in 60 s")
+                await asyncio.sleep(0.2)
             stop(operator)
             pools = 1 + single + burst
             say(f"{pools} converged pools: a restarted operator's requests over {window_s:.0f} s")
