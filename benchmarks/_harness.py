@@ -13,6 +13,7 @@ import asyncio
 import csv
 import json
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -269,10 +270,32 @@ def failures(outcomes: Sequence[Outcome]) -> list[str]:
 
 
 def write_result(name: str, document: dict[str, Any]) -> Path:
+    """Write ``benchmarks/results/<name>.json``, stamped with the commit it measured (a result older
+    than the code it describes shows itself: its ``commit`` is not the last one to touch that code)."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(finite(document), indent=2, allow_nan=False) + "\n")
+    stamped = {**document, "commit": code_version()}
+    path.write_text(json.dumps(finite(stamped), indent=2, allow_nan=False) + "\n")
     return path
+
+
+def code_version() -> dict[str, Any]:
+    """The checkout's HEAD and whether src/ or benchmarks/ differ from it (``None`` outside git)."""
+    root = Path(__file__).resolve().parents[1]
+    git = shutil.which("git")
+    if git is None:
+        return {"sha": None, "dirty": None}
+    try:
+        head = subprocess.run(  # noqa: S603 - git, with fixed arguments
+            [git, "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        )
+        status = subprocess.run(  # noqa: S603 - git, with fixed arguments
+            [git, "status", "--porcelain", "--", "src", "benchmarks/*.py", "benchmarks/gpu"],
+            cwd=root, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return {"sha": None, "dirty": None}
+    return {"sha": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
 def finite(document: Any) -> Any:
