@@ -22,7 +22,6 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -43,11 +42,6 @@ def event_name(pool_name: str, pool_uid: str | None, event: PoolEvent) -> str:
     return f"{pool_name}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-@dataclass
-class _Seen:
-    count: int
-
-
 class EventRecorder:
     """One per operator; remembers the counts of the last ``capacity`` Events it posted."""
 
@@ -63,7 +57,7 @@ class EventRecorder:
         self.instance = instance or os.environ.get("HOSTNAME", MANAGED_BY)
         self.clock = clock
         self.capacity = capacity
-        self._seen: OrderedDict[tuple[str, str], _Seen] = OrderedDict()  # (namespace, event name) -> count
+        self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()  # (namespace, event name) -> count
 
     async def post(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
         """Post ``event`` on ``pool``, or count it again when the same Event exists."""
@@ -73,7 +67,7 @@ class EventRecorder:
         now = rfc3339(self.clock())
         try:
             seen = self._seen.get((namespace, name))
-            if seen is not None and await self._increment(namespace, name, seen.count + 1, now):
+            if seen is not None and await self._increment(namespace, name, seen + 1, now):
                 return
             try:
                 await self.kube.create("Event", namespace, self._body(namespace, name, pool, event, now))
@@ -100,7 +94,7 @@ class EventRecorder:
         return True
 
     def _remember(self, namespace: str, name: str, count: int) -> None:
-        self._seen[(namespace, name)] = _Seen(count)
+        self._seen[(namespace, name)] = count
         self._seen.move_to_end((namespace, name))
         while len(self._seen) > self.capacity:
             self._seen.popitem(last=False)

@@ -35,7 +35,6 @@ import base64
 import contextlib
 import json
 import os
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -280,17 +279,13 @@ class KubeClient:
     """Get, list, create and merge-patch plain dicts; ``async with KubeClient(config) as kube``.
 
     One per operator. Bodies go out and come back as the API server's JSON, so the
-    reconciler compares what the server stores, unmodified. Counts its requests
-    (``requests``, ``writes``) for the reconcile benchmark and tests.
+    reconciler compares what the server stores, unmodified.
     """
 
     def __init__(self, config: SingleConfig, timeout_s: float = 30.0) -> None:
         self._client = lightkube.AsyncClient(
             config, timeout=httpx2.Timeout(timeout_s), field_manager=FIELD_MANAGER, trust_env=False
         )
-        self.requests = 0
-        self.writes = 0
-        self.started = time.monotonic()
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -316,7 +311,7 @@ class KubeClient:
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or ``None`` if it does not exist."""
         try:
-            return _plain(await self._call(False, self._client.get(self.resource(kind), name, namespace=namespace)))
+            return _plain(await self._call(self._client.get(self.resource(kind), name, namespace=namespace)))
         except KubeError as error:
             if error.status == 404:
                 return None
@@ -330,7 +325,6 @@ class KubeClient:
         labels again: not every API server (kmock) applies it.
         """
         labels: dict[str, Any] | None = dict(_parse_selector(label_selector)) if label_selector else None
-        self.requests += 1
         items: list[dict[str, Any]] = []
         res = self.resource(kind)
         with _translated():
@@ -345,7 +339,7 @@ class KubeClient:
         self.resource(kind)  # only the known kinds
         metadata = {**(body.get("metadata") or {}), "namespace": namespace}
         obj = codecs.from_dict({**body, "metadata": metadata})  # the class registered for apiVersion and kind
-        return _plain(await self._call(True, self._client.create(obj)))
+        return _plain(await self._call(self._client.create(obj)))
 
     async def merge_patch(
         self, kind: str, namespace: str, name: str, body: Mapping[str, Any], subresource: str | None = None
@@ -353,11 +347,10 @@ class KubeClient:
         """RFC 7386 merge patch: maps merge, lists and scalars are replaced by ``body``'s."""
         res = self.resource(kind, subresource)
         call = self._client.patch(res, name, dict(body), namespace=namespace, patch_type=PatchType.MERGE)
-        return _plain(await self._call(True, call))
+        return _plain(await self._call(call))
 
-    async def _call(self, write: bool, call: Any) -> Any:
-        self.requests += 1
-        self.writes += int(write)
+    @staticmethod
+    async def _call(call: Any) -> Any:
         with _translated():
             return await call
 
