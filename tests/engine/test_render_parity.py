@@ -320,6 +320,30 @@ def test_a_direct_client_claiming_the_top_class_cannot_preempt_the_rendered_engi
     assert board.num_abort_requests == aborts, "a client without the router's token raised the abort flag"
 
 
+def test_a_routed_request_vllm_rejects_cannot_preempt_the_rendered_engine(rendered: RenderedEngine) -> None:
+    """With the router's token but a prompt longer than the model: vLLM answers 400 and no abort is raised.
+
+    The flag goes up only where vLLM hands an accepted request to the engine core, so a rejected one,
+    token or not, stalls nobody. Each try waits for an offline step to be in flight first.
+    """
+    board = rendered.board
+    assert board is not None
+    extra = rendered.argv[rendered.argv.index("--max-model-len") + 1]
+    too_long = [11] * (int(extra) + 1)
+    aborts = board.num_abort_requests
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for attempt in range(3):
+            background = pool.submit(rendered.complete, [800 + attempt] * 3000, "batch", 2)
+            deadline = time.monotonic() + 5
+            while board.posted_step() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            assert board.posted_step() is not None, "no step in flight to try to preempt"
+            rejected = rendered.complete(too_long, "premium", 2, ttft_slo_ms=1)
+            assert rejected.status_code == 400, rejected.text
+            assert background.result().status_code == 200
+    assert board.num_abort_requests == aborts, "a request vLLM rejected raised the abort flag"
+
+
 def test_no_flag_the_operator_renders_goes_unlaunched() -> None:
     """Every flag any example renders for any engine role, in either rendering, is one the parity engines pass."""
     document = yaml.safe_load(EXAMPLE.read_text())

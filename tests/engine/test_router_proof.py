@@ -1,8 +1,10 @@
 """Only the pool's router may claim a class and trigger preemption (coserve.engine.validation).
 
-The middleware runs here as the real ASGI class in front of a recording app, with a stand-in for the
-safepoint board (the board itself is shared memory written by a running engine's scheduler; the real
-board is exercised in test_safepoints.py and test_render_parity.py).
+The middleware runs here as the real ASGI class in front of a recording app that plays vLLM's API server:
+it accepts a request by handing an ``EngineCoreRequest``-shaped object to ``engine_client.engine_core
+.add_request_async`` (as vLLM does once it has tokenized and admitted it) or rejects it with a 400 without
+the hand-off. The safepoint board is a stand-in (the board itself is shared memory written by a running
+engine's scheduler; the real board, the real hand-off and a real rejection run in test_render_parity.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -46,30 +49,73 @@ class Board:
         self.aborts.append(step_id)
 
 
-def validator(tmp_path: Path, token: bytes | None) -> tuple[RequestClassValidator, Board, list[dict[str, Any]]]:
-    path = tmp_path / "engine.json"
-    path.write_text(json.dumps(CONFIG))
-    seen: list[dict[str, Any]] = []
+class EngineCore:
+    """Stand-in for the API server's engine-core client: records the requests handed to it."""
+
+    def __init__(self) -> None:
+        self.handed: list[Any] = []
+
+    async def add_request_async(self, request: Any) -> None:
+        self.handed.append(request)
+
+
+MAX_PROMPT = 100  # the stand-in API server rejects longer prompts, as vLLM does past max_model_len
+
+
+def vllm_app(seen: list[dict[str, Any]]) -> Any:
+    """An ASGI app that accepts or rejects a completion as vLLM's API server would, handing accepted ones over."""
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         message = await receive()
         headers = dict(scope["headers"])
-        seen.append({"body": json.loads(message["body"]), "length": int(headers[b"content-length"])})
+        body = json.loads(message["body"])
+        seen.append({"body": body, "length": int(headers[b"content-length"])})
+        if len(body["prompt"]) > MAX_PROMPT:
+            await send({"type": "http.response.start", "status": 400, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        request = SimpleNamespace(
+            request_id=f"cmpl-{len(seen)}",
+            prompt_token_ids=body["prompt"],
+            sampling_params=SimpleNamespace(extra_args=body.get("vllm_xargs")),
+            priority=body.get("priority") or 0,
+            arrival_time=time.time(),
+        )
+        await scope["app"].state.engine_client.engine_core.add_request_async(request)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    middleware = RequestClassValidator(app, load_engine_config(str(path), 256), router_token=token)
+    return app
+
+
+def validator(tmp_path: Path, token: bytes | None) -> tuple[RequestClassValidator, Board, list[dict[str, Any]]]:
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(CONFIG))
+    seen: list[dict[str, Any]] = []
+    middleware = RequestClassValidator(vllm_app(seen), load_engine_config(str(path), 256), router_token=token)
+    global SERVER  # a fresh API server per middleware: each wraps the hand-off of the first it serves
+    SERVER = api_server()
     board = Board()
     middleware._board, middleware._board_checked = board, True  # type: ignore[assignment]
     return middleware, board, seen
 
 
-def call(middleware: RequestClassValidator, body: dict[str, Any], proof: bytes | None = None) -> int:
+def api_server() -> Any:
+    """What the middleware finds at ``scope["app"]``: vLLM's app with ``state.engine_client.engine_core``."""
+    return SimpleNamespace(state=SimpleNamespace(engine_client=SimpleNamespace(engine_core=EngineCore())))
+
+
+SERVER = api_server()
+
+
+def call(
+    middleware: RequestClassValidator, body: dict[str, Any], proof: bytes | None = None, server: Any = None
+) -> int:
     raw = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     if proof is not None:
         headers.append((ROUTER_TOKEN_HEADER.encode(), proof))
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers, "app": server or SERVER}
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -99,6 +145,43 @@ def test_the_router_can(tmp_path: Path) -> None:
     assert call(middleware, URGENT, TOKEN) == 200
     assert board.aborts == [7]
     assert seen[0]["body"] == URGENT  # untouched
+
+
+def test_a_request_vllm_rejects_never_raises_the_flag(tmp_path: Path) -> None:
+    """The router's token is not enough: the flag goes up only once vLLM has accepted the request."""
+    middleware, board, seen = validator(tmp_path, TOKEN)
+    assert call(middleware, {**URGENT, "prompt": [1] * (MAX_PROMPT + 1)}, TOKEN) == 400
+    assert len(seen) == 1 and board.aborts == []  # vLLM saw it and said no: nothing was stalled
+    assert call(middleware, URGENT, TOKEN) == 200
+    assert board.aborts == [7]  # the same middleware, an accepted request: the flag goes up
+
+
+def test_a_hand_off_outside_a_routed_request_never_raises_the_flag(tmp_path: Path) -> None:
+    """The wrapped hand-off serves every request of the API server; only the router's arrivals may preempt."""
+    middleware, board, _ = validator(tmp_path, TOKEN)
+    server = api_server()
+    assert call(middleware, URGENT, b"wrong", server) == 200  # demoted: handed over, no flag
+    core = server.state.engine_client.engine_core
+    request = SimpleNamespace(request_id="x", prompt_token_ids=[1], sampling_params=None, priority=0, arrival_time=0)
+    asyncio.run(core.add_request_async(request))  # e.g. a request from another entry point
+    assert board.aborts == []
+    assert call(middleware, URGENT, TOKEN, server) == 200
+    assert board.aborts == [7]
+
+
+def test_without_an_engine_client_to_wrap_nothing_preempts(tmp_path: Path) -> None:
+    """An API server the middleware cannot hook still serves; it just never preempts (safe, and logged)."""
+    middleware, board, seen = validator(tmp_path, TOKEN)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        seen.append({})
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    middleware.app = app
+    assert call(middleware, URGENT, TOKEN, SimpleNamespace(state=SimpleNamespace())) == 200
+    assert seen and board.aborts == []
 
 
 def test_without_a_mounted_token_every_request_is_trusted(tmp_path: Path) -> None:

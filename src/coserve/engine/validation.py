@@ -10,10 +10,15 @@ and answers an unknown class or a non-positive or non-numeric SLO with an
 OpenAI-style error body naming the field.
 
 It is also where an arrival is first seen, while the engine core is blocked
-in the running step: when the engine has safepoints, it reads the step posted
-on the safepoint board and, if ``should_preempt`` says waiting would break the
-arrival's first-token deadline, raises the abort flag so the workers leave
-the step at the next layer boundary. Install it with
+in the running step. When the engine has safepoints, the middleware wraps the
+API server's hand-off to the engine core (``engine_client.engine_core
+.add_request_async``, called once vLLM has parsed, tokenized and admitted the
+request): for a request this middleware let through as the router's, it reads
+the step posted on the safepoint board and, if ``should_preempt`` says waiting
+would break the arrival's first-token deadline, raises the abort flag so the
+workers leave the step at the next layer boundary. A request vLLM rejects
+(a prompt longer than the model, a bad sampling parameter) never reaches the
+hand-off, so it never raises the flag. Install it with
 ``--middleware coserve.engine.validation.RequestClassValidator`` (the operator
 renders it). It reads the same ``COSERVE_CONFIG`` file as the scheduler.
 
@@ -31,9 +36,11 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from contextvars import ContextVar
 from typing import Any
 
 from coserve.engine.safepoint import SafepointBoard, board_name
@@ -46,7 +53,6 @@ __all__ = [
     "ROUTER_TOKEN_HEADER",
     "RequestClassValidator",
     "demote",
-    "estimate_prompt_tokens",
     "load_router_token",
     "openai_error",
 ]
@@ -59,6 +65,13 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+logger = logging.getLogger(__name__)
+
+# Set by the middleware, for the task serving a request it let through as the router's, and read where
+# vLLM hands the accepted request to the engine core (the same task, or a response task that copied its
+# context). Anything else that reaches the hand-off (a demoted request, an internal one) sees False.
+_FROM_ROUTER: ContextVar[bool] = ContextVar("coserve_from_router", default=False)
 
 CHECKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MAX_BODY_BYTES = 64 << 20
@@ -130,6 +143,7 @@ class RequestClassValidator:
         self._offline_rank = self.classes.get(offline).rank if offline is not None else None
         self._board: SafepointBoard | None = None
         self._board_checked = False
+        self._wrapped: bool | None = None  # None: the hand-off is not wrapped yet
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in CHECKED_PATHS:
@@ -161,13 +175,18 @@ class RequestClassValidator:
         if problem is not None:
             await _respond(send, 400, openai_error(f"{problem.field}: {problem.reason}", problem.field))
             return
+        proven = False
         if isinstance(parsed, dict):
             if self.router_token is not None and not self._from_router(scope):
                 body = json.dumps(demote(parsed, self._lowest)).encode()
                 scope = {**scope, "headers": _with_length(scope.get("headers") or [], len(body))}
             else:
-                self._maybe_preempt(scope, parsed)
-        await self.app(scope, _replay([body], None, receive), send)
+                proven = self._watch_hand_off(scope)
+        marker = _FROM_ROUTER.set(proven)
+        try:
+            await self.app(scope, _replay([body], None, receive), send)
+        finally:
+            _FROM_ROUTER.reset(marker)
 
     def _from_router(self, scope: Scope) -> bool:
         """The request carries the pool's router token (compared in constant time)."""
@@ -178,23 +197,60 @@ class RequestClassValidator:
                 return hmac.compare_digest(bytes(value).strip(), self.router_token)
         return False
 
-    def _maybe_preempt(self, scope: Scope, body: dict[str, Any]) -> None:
-        """Raise the abort flag if the arriving request would miss its deadline behind the running step."""
-        board = self._board_for(scope)
+    def _watch_hand_off(self, scope: Scope) -> bool:
+        """Wrap the engine client's hand-off to the engine core once; whether arrivals can preempt here.
+
+        False when the engine has no safepoints, or when the API server has no engine client to wrap
+        (then nothing raises the flag: losing a preemption is safe, raising it unchecked is not).
+        """
+        if self._board_for(scope) is None:
+            return False
+        if self._wrapped is None:
+            state = getattr(scope.get("app"), "state", None)
+            core: Any = getattr(getattr(state, "engine_client", None), "engine_core", None)
+            hand_off = getattr(core, "add_request_async", None)
+            if core is None or hand_off is None:
+                logger.warning("coserve: the API server has no engine_core to wrap; arrivals will not preempt")
+                self._wrapped = False
+                return False
+
+            async def add_request_async(request: Any) -> Any:
+                result = await hand_off(request)
+                if _FROM_ROUTER.get():
+                    self.maybe_preempt(request)
+                return result
+
+            core.add_request_async = add_request_async
+            self._wrapped = True
+        return self._wrapped
+
+    def maybe_preempt(self, request: Any) -> None:
+        """Raise the abort flag if an accepted arrival would miss its deadline behind the running step.
+
+        Called with the ``EngineCoreRequest`` vLLM has just handed to the engine core: the class and SLOs
+        come from its ``extra_args`` and ``priority`` as the scheduler will read them, the prompt length is
+        the tokenized one.
+        """
+        board = self._board
         if board is None:
             return
         step = board.posted_step()
         if step is None:
             return
-        cls, ttft_s, tpot_s = self.classes.resolve(body.get("vllm_xargs"), body.get("priority"))
+        params = getattr(request, "sampling_params", None)
+        try:
+            cls, ttft_s, tpot_s = self.classes.resolve(getattr(params, "extra_args", None), request.priority)
+        except InvalidRequestClass:
+            return  # the scheduler serves it at the default class: nothing urgent
         now_s = time.time()
+        prompt = getattr(request, "prompt_token_ids", None)
         arrival = SchedRequest(
-            request_id="arrival",
+            request_id=str(request.request_id),
             cls=cls,
-            arrival_s=now_s,
+            arrival_s=float(getattr(request, "arrival_time", 0.0) or now_s),
             ttft_slo_s=ttft_s,
             tpot_slo_s=tpot_s,
-            num_prompt_tokens=estimate_prompt_tokens(body),
+            num_prompt_tokens=max(1, len(prompt) if prompt is not None else 1),
             num_computed_tokens=0,
             num_output_tokens=0,
             max_output_tokens=1,
@@ -226,19 +282,6 @@ def configured(kv_transfer_config: object) -> bool:
     extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
     children = extra.get("connectors") if isinstance(extra, dict) else None
     return any(isinstance(c, dict) and c.get("kv_connector") == "CoServeConnector" for c in children or ())
-
-
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Prompt length before tokenization: token ids counted, text at ~4 characters per token."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    text = prompt if isinstance(prompt, str) else ""
-    for message in body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            text += content
-    return max(1, len(text) // 4)
 
 
 def _with_length(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:
