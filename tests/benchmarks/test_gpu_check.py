@@ -252,9 +252,9 @@ def test_results_are_written_as_they_come_tagged_cuda(gpu_modules: SimpleNamespa
     overhead = json.loads((tmp_path / "safepoint_overhead_cuda.json").read_text())
     assert overhead["device"] == "cuda" and overhead["met"] is False and overhead["incomplete"]
     results.off.throughput = [1005.0, 1008.0]
-    step = {"exit_s": [0.0001, 0.0002], "ttft_s": [0.01, 0.02], "median_step_s": 0.008}
+    step = {"exit_s": [0.0001, 0.0002] * 100, "ttft_s": [0.01, 0.02] * 100, "median_step_s": 0.008}
     results.on.latency = step
-    results.off.latency = {**step, "exit_s": [0.004, 0.006]}
+    results.off.latency = {**step, "exit_s": [0.004, 0.006] * 100}
     results.correctness = {"equal": True, "abandoned_steps": 4}
     results.reload = {str(n): {"speedup": 3.5} for n in check.kv_offload.CONTEXTS}
     results.flush(args)

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from coserve.engine.safepoint import SafepointBoard, board_name
 from engine_handle import Chaos, Engine
@@ -75,3 +76,57 @@ def test_an_urgent_arrival_preempts_an_offline_step(engine: Engine) -> None:
     assert all(r.status_code == 200 for r in responses)
     assert board.num_abort_requests > aborts, "the API server never raised the abort flag"
     assert board.num_preemptions > abandoned, "no worker abandoned a step"
+
+
+def safepoint_counters(base: str) -> tuple[float, float]:
+    """``coserve:safepoint_seconds_total`` and ``coserve:safepoint_steps_total`` from the engine's /metrics."""
+    values = {"coserve:safepoint_seconds_total": 0.0, "coserve:safepoint_steps_total": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name] += sample.value
+    return values["coserve:safepoint_seconds_total"], values["coserve:safepoint_steps_total"]
+
+
+def wait_for_steps(base: str, above: float, timeout_s: float = 30) -> tuple[float, float]:
+    """The counters once the steps counter has passed ``above`` (metrics trail the steps a little)."""
+    deadline = time.monotonic() + timeout_s
+    seconds, steps = safepoint_counters(base)
+    while steps <= above and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seconds, steps = safepoint_counters(base)
+    return seconds, steps
+
+
+def test_the_engine_reports_the_time_its_steps_spend_at_safepoints(engine: Engine) -> None:
+    """Every step with safepoints counts on /metrics, with the time its checks took (well under a step's)."""
+    seconds_before, steps_before = safepoint_counters(engine.base)
+    text(complete(engine.base, [20 + (7 * i) % 900 for i in range(600)], "offline", 8))
+    seconds, steps = wait_for_steps(engine.base, steps_before + 3)
+    assert steps >= steps_before + 3, "the safepoint steps counter did not move"
+    per_step = (seconds - seconds_before) / (steps - steps_before)
+    assert 0 < per_step < 0.005, f"{per_step * 1e6:.0f} us at safepoints per step"
+
+
+def test_paused_safepoints_abandon_nothing_until_resumed(engine: Engine) -> None:
+    """While paused (the benchmarks' in-engine A/B switch) the workers skip every check: aborts raised on
+    every other step abandon none and no step counts at safepoints; resumed, the same load is preempted."""
+    board = SafepointBoard.attach(board_name(engine.engine_id))
+    assert board is not None
+    prompts = [[300 + 7 * i + j for j in range(520)] for i in range(3)]
+    board.pause()
+    try:
+        text(complete(engine.base, [1, 2, 3], "offline", 2))  # a step that carries the pause to the workers
+        _, steps_before = wait_for_steps(engine.base, -1)
+        aborts, abandoned = board.num_abort_requests, board.num_preemptions
+        with Chaos(board), ThreadPoolExecutor(max_workers=3) as pool:
+            list(pool.map(lambda p: text(complete(engine.base, p, "offline", 8)), prompts))
+        assert board.num_abort_requests > aborts, "Chaos raised no abort: the window tested nothing"
+        assert board.num_preemptions == abandoned, "a paused engine abandoned a step"
+        assert safepoint_counters(engine.base)[1] == steps_before, "paused steps still ran their safepoints"
+    finally:
+        board.pause(False)
+    httpx.post(f"{engine.base}/reset_prefix_cache", timeout=30)
+    with Chaos(board), ThreadPoolExecutor(max_workers=3) as pool:
+        list(pool.map(lambda p: text(complete(engine.base, p, "offline", 8)), prompts))
+    assert board.num_preemptions > abandoned, "resumed safepoints abandoned nothing"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from coserve.engine.kv_metrics import CoServeKVPromMetrics, CoServeKVStats
 from coserve.engine.offload import OffloadPlanner, OffloadWorker, StepPlan, model_salt
 from coserve.engine.safepoint import SafepointBoard, board_name
-from coserve.engine.tp_sync import agree_across_tp
+from coserve.engine.tp_sync import SafepointAgreement
 from coserve.kv.config import KVSettings, parse_kv_settings
 
 if TYPE_CHECKING:
@@ -97,7 +98,13 @@ class CoServeConnector(KVConnectorBase_V1):
         self.board_name = board_name(str(self._kv_transfer_config.engine_id))
         self._next_step_id = 0
         self._board: SafepointBoard | None = None
+        self.scheduler_board: SafepointBoard | None = None  # set by the TDGScheduler that creates it
         self._step_id = -1
+        self._checking = False  # whether this step's safepoints run (worker side)
+        self._index = 0  # the next safepoint's index in the step: 2 per layer, before and after attention
+        self._agreement: SafepointAgreement | None = None  # resolved at the first safepoint, on every rank
+        self._safepoint_s = 0.0  # time in safepoints (checks and the TP agreement) since the last stats
+        self._safepoint_steps = 0
         self.kv_settings: KVSettings = parse_kv_settings(extra)
         role_name = str(self._kv_transfer_config.kv_role)
         self._produce = role_name in ("kv_producer", "kv_both")
@@ -169,7 +176,9 @@ class CoServeConnector(KVConnectorBase_V1):
         """Called by vLLM's scheduler once per step; gives the step its number and its KV copies."""
         self._next_step_id += 1
         plan = self.planner.plan_step(scheduler_output) if self.planner is not None else StepPlan()
-        return CoServeConnectorMetadata(self._next_step_id, self.board_name, self.safepoints, plan)
+        board = self.scheduler_board
+        safepoints = self.safepoints and not (board is not None and board.paused())
+        return CoServeConnectorMetadata(self._next_step_id, self.board_name, safepoints, plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Called by vLLM's scheduler after a step the workers completed (an abandoned one never gets here).
@@ -233,8 +242,12 @@ class CoServeConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, CoServeConnectorMetadata):
             self._step_id = connector_metadata.step_id
+            self._checking = connector_metadata.safepoints
+            self._index = 0
             if self._board is None and connector_metadata.safepoints:
                 self._board = SafepointBoard.attach(connector_metadata.board)
+            if self._checking and self._board is not None:
+                self._safepoint_steps += 1
             if self.kv_worker is not None:
                 self.kv_worker.begin(connector_metadata.kv)
 
@@ -256,9 +269,16 @@ class CoServeConnector(KVConnectorBase_V1):
 
     def _safepoint(self, layer_name: str) -> None:
         board = self._board
-        if board is None:
+        if board is None or not self._checking:
             return
-        if agree_across_tp(board.abort_requested(self._step_id)):
+        if self._agreement is None:
+            self._agreement = SafepointAgreement.resolve()
+        started = time.perf_counter()
+        index = self._index
+        self._index += 1
+        abort = self._agreement.should_leave(board, self._step_id, index)
+        self._safepoint_s += time.perf_counter() - started
+        if abort:
             raise StepPreempted(self._step_id, layer_name)
 
     def wait_for_save(self) -> None:
@@ -267,8 +287,11 @@ class CoServeConnector(KVConnectorBase_V1):
             self.kv_worker.end()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Called by the model runner after each step: this worker's copy counters since the last call."""
-        data = self.kv_worker.take_stats() if self.kv_worker is not None else None
+        """Called by the model runner after each step: this worker's copy and safepoint counters since the last call."""
+        data = (self.kv_worker.take_stats() if self.kv_worker is not None else None) or {}
+        if self._safepoint_steps:
+            data = {**data, "safepoint_s": self._safepoint_s, "safepoint_steps": self._safepoint_steps}
+            self._safepoint_s, self._safepoint_steps = 0.0, 0
         return CoServeKVStats(data=data) if data else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

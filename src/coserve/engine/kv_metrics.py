@@ -1,7 +1,8 @@
-"""Prometheus metrics of the KV offload, through vLLM's KV connector stats.
+"""Prometheus metrics of the KV offload and the safepoints, through vLLM's KV connector stats.
 
 Who calls it: vLLM. Each worker's ``CoServeConnector.get_kv_connector_stats``
-returns ``CoServeKVStats`` (bytes copied, per-step copy time); the scheduler
+returns ``CoServeKVStats`` (bytes copied, per-step copy time, time at
+safepoints); the scheduler
 side adds the host pool's counters and occupancy in
 ``update_connector_output``; vLLM aggregates them and calls
 ``CoServeKVPromMetrics.observe`` in the API server, which serves them on
@@ -12,6 +13,10 @@ side adds the host pool's counters and occupancy in
   handoff_loaded, handoff_written
 - ``coserve:kv_offload_copy_seconds`` (histogram, one observation per step that copied)
 - ``coserve:kv_offload_pool_occupancy`` (fraction of the host pool's slots in use)
+- ``coserve:safepoint_seconds_total`` and ``coserve:safepoint_steps_total``: time the workers spent
+  at layer safepoints (the abort check and, with tensor parallelism, the ranks' agreement) and the
+  steps that ran them, both summed over a step's workers; their ratio is the cost per step per
+  worker, the overhead safepoints add to every step
 """
 
 from __future__ import annotations
@@ -104,6 +109,17 @@ class CoServeKVPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
         )
 
+        self._safepoint_s = counter(
+            name="coserve:safepoint_seconds",
+            documentation="Time workers spent at layer safepoints (check and TP agreement), summed over workers.",
+            labelnames=labelnames,
+        )
+        self._safepoint_steps = counter(
+            name="coserve:safepoint_steps",
+            documentation="Steps run with layer safepoints, counted once per worker.",
+            labelnames=labelnames,
+        )
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         for key, direction in (("bytes_offloaded", "offloaded"), ("bytes_reloaded", "reloaded")):
@@ -116,3 +132,6 @@ class CoServeKVPromMetrics(KVConnectorPromMetrics):
             self._copy.labels(*labels).observe(seconds)
         if "pool_occupancy" in transfer_stats_data:
             self._occupancy.labels(*labels).set(transfer_stats_data["pool_occupancy"])
+        if transfer_stats_data.get("safepoint_steps"):
+            self._safepoint_s.labels(*labels).inc(transfer_stats_data.get("safepoint_s", 0.0))
+            self._safepoint_steps.labels(*labels).inc(transfer_stats_data["safepoint_steps"])

@@ -11,7 +11,12 @@ is blocked while a step runs):
 - each worker checks ``abort_step`` at every layer boundary (the KV
   connector's per-layer hook) and abandons the step; rank 0 writes
   ``abandoned_step`` and the exit time, which the scheduler reads to roll the
-  step back.
+  step back (with tensor parallelism, the first rank also writes the
+  safepoint where every rank leaves: ``coserve.engine.tp_sync``);
+- anyone attached may pause the safepoints (``pause``): the scheduler then
+  tells the workers to skip every check from the next step on, exactly as an
+  engine started with ``safepoints: false`` does, until resumed. Benchmarks use
+  it to compare checks on and off in one engine, step batch by step batch.
 
 The board is named after the engine's ``kv_transfer_config.engine_id``, which
 every process of the engine shares. Reads and writes are single aligned 8-byte
@@ -40,7 +45,10 @@ _EXIT_S = 56
 _ABORT_RAISED_S = 64
 _NUM_PREEMPTIONS = 72
 _NUM_ABORT_REQUESTS = 80
+_PAUSED = 88
+_AGREED_EXIT = 96
 BOARD_SIZE = 128
+_SAFEPOINTS_PER_STEP = 4096  # the agreed exit packs (step id, safepoint index) into one word
 
 _NO_STEP = -1
 
@@ -82,7 +90,7 @@ class SafepointBoard:
             memory = shared_memory.SharedMemory(name=name, create=False)
         board = cls(memory, owner=True)
         board._buffer[:BOARD_SIZE] = bytes(BOARD_SIZE)
-        for offset in (_ABORT_STEP, _ABANDONED_STEP, _RUNNING_STEP):
+        for offset in (_ABORT_STEP, _ABANDONED_STEP, _RUNNING_STEP, _AGREED_EXIT):
             board._put_int(offset, _NO_STEP)
         return board
 
@@ -133,6 +141,14 @@ class SafepointBoard:
             return True
         return False
 
+    def paused(self) -> bool:
+        """Whether safepoints are paused; read by the scheduler once per step."""
+        return self._get_int(_PAUSED) != 0
+
+    def pause(self, paused: bool = True) -> None:
+        """Pause (or resume) the safepoints from the next step on; the running step keeps its setting."""
+        self._put_int(_PAUSED, 1 if paused else 0)
+
     # --- API server side ---------------------------------------------------------------------------
 
     def posted_step(self) -> PostedStep | None:
@@ -158,6 +174,24 @@ class SafepointBoard:
     def abort_requested(self, step_id: int) -> bool:
         """The per-layer check: one 8-byte read and a compare."""
         return self._get_int(_ABORT_STEP) == step_id
+
+    def agree_exit(self, step_id: int, index: int) -> None:
+        """The TP leader's word: every rank leaves ``step_id`` at safepoint ``index`` (one 8-byte write)."""
+        if not 0 <= index < _SAFEPOINTS_PER_STEP:
+            raise ValueError(f"safepoint index {index} is outside 0..{_SAFEPOINTS_PER_STEP - 1}")
+        self._put_int(_AGREED_EXIT, step_id * _SAFEPOINTS_PER_STEP + index)
+
+    def agreed_exit(self) -> tuple[int, int]:
+        """``(step id, safepoint index)`` of the last agreed exit (step id -1: none yet)."""
+        word = self._get_int(_AGREED_EXIT)
+        if word < 0:
+            return _NO_STEP, -1
+        step_id, index = divmod(word, _SAFEPOINTS_PER_STEP)
+        return step_id, index
+
+    def agreed_step(self) -> int:
+        """The step of the last agreed exit (-1: none yet)."""
+        return self.agreed_exit()[0]
 
     def mark_abandoned(self, step_id: int) -> None:
         self._put_float(_EXIT_S, time.time())

@@ -79,6 +79,7 @@ class TDGScheduler(Scheduler):
         if coserve_connector is not None:
             # Posted even with safepoints off, so the step stays observable (benchmarks' baseline).
             self.board = SafepointBoard.create(coserve_connector.board_name)
+            coserve_connector.scheduler_board = self.board  # it reads the pause switch once per step
         self._num_layers = self.vllm_config.model_config.get_num_layers(self.vllm_config.parallel_config)
         logger.info(
             "coserve TDGScheduler: classes %s, max %d tokens/step",

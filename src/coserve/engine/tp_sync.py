@@ -1,18 +1,54 @@
-"""Make every tensor-parallel rank take the same safepoint decision.
+"""Make every tensor-parallel rank leave a step at the same safepoint.
 
 Each rank reads the shared board at its own moment; if rank 0 saw the abort
 at layer 5 and rank 1 only at layer 6, rank 0 would leave while rank 1 waits
-in the next all-reduce forever. So rank 0's view is broadcast over the TP
-group's CPU (gloo) group at every safepoint, as ConServe does with
-ncclBroadcast. With one rank it is a plain return.
+in the next all-reduce forever. Who calls it: the connector's safepoint, on
+every rank, with the safepoint's index in the step (two per layer: before
+attention, even; after attention, odd).
+
+Two ways to agree, chosen once per worker (``SafepointAgreement.resolve``):
+
+``shared`` (all ranks on one node, the usual case)
+    No collective at all. The leader (the group's first rank) alone reads the
+    abort flag; when it is up, it writes *where* every rank leaves: the first
+    safepoint after the next collective, which is the next layer's
+    before-attention safepoint (``abort_target``). Tensor parallelism puts a
+    blocking all-reduce after every attention (the row-parallel output
+    projection), between an odd safepoint and the next even one, and no rank
+    can pass it before the leader arrives there, so no rank has passed the
+    target when the leader writes it, and every rank reads it there. The cost
+    is one 8-byte read per safepoint; a preemption lands up to one layer
+    later than with one rank.
+``broadcast`` (ranks on several nodes, where shared memory cannot reach)
+    The leader's view is broadcast over the TP group's CPU (gloo) group at
+    every safepoint, as ConServe does with ncclBroadcast: one collective per
+    safepoint.
+
+With one rank (``single``) the flag is read directly.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_across_tp", "broadcast_flag"]
+if TYPE_CHECKING:
+    from coserve.engine.safepoint import SafepointBoard
+
+__all__ = ["SafepointAgreement", "abort_target", "broadcast_flag"]
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["single", "shared", "broadcast"]
+
+
+def abort_target(index: int) -> int:
+    """Where every rank leaves when the leader sees the abort at safepoint ``index``: the next even one."""
+    return (index // 2 + 1) * 2
 
 
 def broadcast_flag(flag: bool, group: dist.ProcessGroup | None, src: int) -> bool:
@@ -22,16 +58,40 @@ def broadcast_flag(flag: bool, group: dist.ProcessGroup | None, src: int) -> boo
     return bool(tensor.item())
 
 
-def agree_across_tp(flag: bool) -> bool:
-    """The TP group's common answer; called once per layer by the connector's safepoint."""
-    try:
-        from vllm.distributed.parallel_state import get_tp_group
-    except ImportError:  # pragma: no cover - vLLM always ships it
-        return flag
-    try:
-        group = get_tp_group()
-    except AssertionError:  # no model-parallel state (single process, tests)
-        return flag
-    if group.world_size == 1:
-        return flag
-    return broadcast_flag(flag, group.cpu_group, src=group.ranks[0])
+@dataclass
+class SafepointAgreement:
+    """One worker's way of agreeing with its TP peers; ``should_leave`` is called at every safepoint."""
+
+    mode: Mode
+    leader: bool = True
+    group: dist.ProcessGroup | None = None
+    src: int = 0
+
+    @classmethod
+    def resolve(cls) -> SafepointAgreement:
+        """This worker's mode, from vLLM's TP group; called once, at a safepoint all ranks reach together."""
+        try:
+            from vllm.distributed.parallel_state import get_tp_group, in_the_same_node_as
+        except ImportError:  # pragma: no cover - vLLM always ships them
+            return cls("single")
+        try:
+            group = get_tp_group()
+        except AssertionError:  # no model-parallel state (single process, tests)
+            return cls("single")
+        if group.world_size == 1:
+            return cls("single")
+        leader = group.rank_in_group == 0
+        if all(in_the_same_node_as(group.cpu_group, source_rank=group.ranks[0])):
+            return cls("shared", leader=leader)
+        logger.info("coserve: TP ranks span nodes; safepoints agree by a broadcast per safepoint")
+        return cls("broadcast", leader=leader, group=group.cpu_group, src=group.ranks[0])
+
+    def should_leave(self, board: SafepointBoard, step_id: int, index: int) -> bool:
+        """Whether this rank leaves ``step_id`` at safepoint ``index`` (the same answer on every rank)."""
+        if self.mode == "single":
+            return board.abort_requested(step_id)
+        if self.mode == "broadcast":
+            return broadcast_flag(self.leader and board.abort_requested(step_id), self.group, self.src)
+        if self.leader and board.agreed_step() != step_id and board.abort_requested(step_id):
+            board.agree_exit(step_id, abort_target(index))
+        return board.agreed_exit() == (step_id, index)
