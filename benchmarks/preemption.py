@@ -346,6 +346,7 @@ def main() -> int:
     # Cost model roughly measured for this model on 2 cores; the middleware predicts step times with it.
     config = {
         "priorityClasses": CLASSES,
+        "offline": {"enabled": True, "className": "offline"},  # the load is offline work, as a pool declares it
         "scheduler": {"maxTokensPerStep": 256},
         "costModel": {"k1": 1.1e-3, "k2": 0.0, "k3": 0.0, "k4": 2e-6, "k5": 0.01},
     }

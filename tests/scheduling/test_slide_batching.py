@@ -199,3 +199,16 @@ def test_a_hopeless_running_request_keeps_decoding_and_a_hopeless_waiting_one_go
     assert decision.order[-1] == "waiting"
     assert decision.order.index("running") < decision.order.index("waiting")
     assert "running" in decision.selected_ids
+
+
+def test_with_an_offline_class_a_hopeless_online_request_goes_before_offline_work() -> None:
+    """Without an offline class (above) a hopeless request goes last; with one, offline work only fills what
+    online work leaves: the hopeless interactive request runs next, still after online work that can earn."""
+    offline_rank = max(make_request("x", c).cls.rank for c in ("interactive", "standard", "offline"))
+    policy = SlideBatching(COST, SlideConfig(max_tokens_per_step=512, max_wait_s=30.0), offline_rank=offline_rank)
+    hopeless = make_request("hopeless", "interactive", arrival_s=-11.0, prompt=10, max_output_tokens=3)
+    standard = make_request("standard", "standard", prompt=10)
+    offline = [make_request(f"bulk{i}", "offline", prompt=10) for i in range(3)]
+    decision = policy.decide([*offline, hopeless, standard], now_s=0.0)
+    assert "hopeless" in decision.late_ids
+    assert decision.order == ("standard", "hopeless", "bulk0", "bulk1", "bulk2")

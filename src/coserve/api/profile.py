@@ -2,7 +2,7 @@
 
 It carries the four numbers the provisioning model needs (the same names as
 ``spec.profile``) plus what it was measured on. The step-latency cost model's
-coefficients ride along under ``costModel`` (order 2); they are kept as data
+coefficients ride along under ``costModel`` (the engine's step-latency model); they are kept as data
 here so this module does not depend on the scheduler.
 """
 
@@ -32,4 +32,4 @@ class EngineProfile(ApiModel):
     decode_throughput_tokens_per_s: float | None = Field(default=None, ge=0.001, le=1e9)
     kv_capacity_tokens: int | None = Field(default=None, ge=1, le=1_000_000_000_000)
     live_context_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
-    cost_model: dict[str, Any] | None = Field(default=None, description="step-latency cost model (order 2).")
+    cost_model: dict[str, Any] | None = Field(default=None, description="step-latency cost model (the engine scheduler's).")

@@ -68,7 +68,9 @@ class TDGScheduler(Scheduler):
         self.coserve: EngineSchedulingConfig = load_engine_config(
             os.environ.get(CONFIG_ENV), self.max_num_scheduled_tokens
         )
-        self.policy_impl = SlideBatching(self.coserve.cost_model, self.coserve.slide)
+        offline = self.coserve.offline_class
+        offline_rank = self.coserve.classes.get(offline).rank if offline is not None else None
+        self.policy_impl = SlideBatching(self.coserve.cost_model, self.coserve.slide, offline_rank)
         # request_id -> (class, TTFT SLO s, TPOT SLO s), resolved once when the request arrives
         self._request_classes: dict[str, tuple[RequestClass, float, float]] = {}
         self._num_arrivals = 0

@@ -101,9 +101,14 @@ class _Scored:
 class SlideBatching:
     """The policy object; stateless between steps, so the adapter may rebuild its inputs freely."""
 
-    def __init__(self, cost_model: StepCostModel, config: SlideConfig | None = None) -> None:
+    def __init__(
+        self, cost_model: StepCostModel, config: SlideConfig | None = None, offline_rank: int | None = None
+    ) -> None:
         self.cost_model = cost_model
         self.config = config or SlideConfig()
+        # The offline (harvest) class's rank, when the engine has one: its work fills what online work leaves,
+        # so even an online request that can earn nothing more goes before it.
+        self.offline_rank = offline_rank
 
     def decide(self, requests: Sequence[SchedRequest], now_s: float) -> StepDecision:
         """Order ``requests`` for the next step; called once per engine step."""
@@ -164,7 +169,20 @@ class SlideBatching:
             normal, key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id)
         )
         hopeless.sort(key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id))
-        ordered = promoted + critical + by_density + by_deadline + hopeless
+        # NOTE: an online request that missed its deadline by a whisker (a step that ran longer than predicted)
+        # earns nothing more, but behind offline work it waited until promotion (max_wait_s, 30 s by default);
+        # it goes before the offline class's work instead, and after every online request that can still earn.
+        if self.offline_rank is not None:
+            offline = self.offline_rank
+            ordered = (
+                promoted + critical + by_density
+                + [s for s in by_deadline if s.request.cls.rank != offline]
+                + [s for s in hopeless if s.request.cls.rank != offline]
+                + [s for s in by_deadline if s.request.cls.rank == offline]
+                + [s for s in hopeless if s.request.cls.rank == offline]
+            )  # fmt: skip
+        else:
+            ordered = promoted + critical + by_density + by_deadline + hopeless
 
         slacks = [s.slack_s for s in urgent] + [s.slack_s for s in on_time if s.request.is_running]
         time_budget_s = min(max(min(slacks, default=config.max_step_s), config.min_step_s), config.max_step_s)
