@@ -1,10 +1,16 @@
 """What the router adds on loopback: latency at a fixed request rate, and the highest sustained rate.
 
-Three processes on this 2-core machine: a fast fake upstream (a minimal ASGI app
-answering a fixed completion, standing in for an engine so that only the
-router is measured), ``coserve router`` in front of it (one decoder, no
-prefiller), and this load generator (aiohttp). Each request is a new
-conversation, so every one is placed and pinned.
+Processes on this 2-core machine: a fast fake upstream (a minimal ASGI app
+answering a fixed completion and keeping a decoder's conversation record, the
+engine's own ``ConversationLog``, standing in for an engine so that only the
+router is measured), ``--replicas`` (2, the chart's default) ``coserve router``
+processes in front of it (one decoder, no prefiller), and this load generator
+(aiohttp), which sends each request to the next replica in turn, as a Service
+spreads connections. The requests are the turns of four-turn chat
+conversations, in order, so consecutive turns of a conversation reach
+different replicas: turn 1 is placed and pinned, turn 2 reaches a replica
+without the pin, which asks the decoder (the lookup every replica's first
+sight of a conversation costs), turns 3 and 4 find pins.
 
 By default the router runs on its own core and the load generator and upstream
 share the other, in both arms: in a cluster the router's pod has its own CPU,
@@ -42,6 +48,8 @@ from typing import Any
 import aiohttp
 from _harness import percentile, say, write_result
 
+from coserve.engine.conversations import ConversationLog
+
 ANSWER = json.dumps(
     {
         "id": "x",
@@ -51,17 +59,30 @@ ANSWER = json.dumps(
     }
 ).encode()
 METRICS = b'vllm:kv_cache_usage_perc{engine="0"} 0.1\nvllm:num_requests_waiting{engine="0"} 0\n'
+TURNS = 4
+CONVERSATIONS = ConversationLog()  # the fake decoder's record of the conversations it served
 
 
 async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """A minimal engine: the fixed answer to any POST, a KV usage on /metrics."""
+    """A minimal engine: the fixed answer to any POST, a KV usage on /metrics, and the decoder's answer to
+    the routers' conversation lookups (the same ConversationLog the engine plugin keeps)."""
     if scope["type"] != "http":
         return
+    raw = b""
     while True:
         message = await receive()
+        raw += message.get("body", b"")
         if not message.get("more_body"):
             break
-    body = METRICS if scope["path"] == "/metrics" else ANSWER
+    if scope["path"] == "/metrics":
+        body = METRICS
+    elif scope["path"] == "/coserve/v1/conversations:lookup":
+        body = json.dumps({"found": CONVERSATIONS.lookup(json.loads(raw)["ids"], time.monotonic())}).encode()
+    else:
+        for key, value in scope["headers"]:
+            if key == b"x-coserve-conversation":
+                CONVERSATIONS.record(value.decode(), time.monotonic())
+        body = ANSWER
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
 
@@ -85,21 +106,30 @@ async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def one(session: aiohttp.ClientSession, base: str, index: int) -> float:
-    body = {"model": "tiny", "prompt": f"request {index}", "max_tokens": 1}
+def turn(index: int) -> dict[str, Any]:
+    """Request ``index``: turn ``index % TURNS + 1`` of conversation ``index // TURNS``, with its history."""
+    conversation, number = divmod(index, TURNS)
+    messages = [{"role": "user", "content": f"conversation {conversation}: task"}]
+    for step in range(number):
+        messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"step {step}"}]
+    return {"model": "tiny", "messages": messages, "max_tokens": 1}
+
+
+async def one(session: aiohttp.ClientSession, bases: list[str], index: int) -> float:
+    base = bases[index % len(bases)]  # the next replica in turn: a conversation's turns alternate replicas
     started = time.perf_counter()
-    async with session.post(f"{base}/v1/completions", json=body) as response:
+    async with session.post(f"{base}/v1/chat/completions", json=turn(index)) as response:
         await response.read()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}")
     return time.perf_counter() - started
 
 
-async def open_loop(base: str, rate: float, seconds: float, seed: int) -> list[float]:
+async def open_loop(base: list[str], rate: float, seconds: float, seed: int) -> list[float]:
     rng = random.Random(seed)
     latencies: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for index in range(50):  # warm up connections
+        for index in range(10**7, 10**7 + 50):  # warm up connections (conversations of their own)
             await one(session, base, index)
         tasks = []
         start = time.perf_counter()
@@ -116,14 +146,14 @@ async def open_loop(base: str, rate: float, seconds: float, seed: int) -> list[f
     return latencies
 
 
-async def closed_loop(base: str, concurrency: int, seconds: float) -> float:
+async def closed_loop(base: list[str], concurrency: int, seconds: float) -> float:
     done = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         stop = time.perf_counter() + seconds
 
         async def client(worker: int) -> None:
             nonlocal done
-            index = worker * 1_000_000
+            index = (10**8 + worker * 1_000_000) * TURNS  # each worker walks its own conversations
             while time.perf_counter() < stop:
                 await one(session, base, index)
                 index += 1
@@ -134,16 +164,17 @@ async def closed_loop(base: str, concurrency: int, seconds: float) -> float:
         return done / (time.perf_counter() - started)
 
 
-async def measure(args: argparse.Namespace, upstream: str, router: str) -> dict[str, Any]:
+async def measure(args: argparse.Namespace, upstream: str, routers: list[str]) -> dict[str, Any]:
     async with aiohttp.ClientSession() as session:
         await wait_ready(session, f"{upstream}/metrics")
-        await wait_ready(session, f"{router}/health")
+        for router in routers:
+            await wait_ready(session, f"{router}/ready")
     say(f"latency: {args.rate:.0f} requests/s for {args.seconds:.0f} s, direct then through the router")
-    direct = await open_loop(upstream, args.rate, args.seconds, 1)
-    routed = await open_loop(router, args.rate, args.seconds, 1)
+    direct = await open_loop([upstream], args.rate, args.seconds, 1)
+    routed = await open_loop(routers, args.rate, args.seconds, 1)
     say(f"throughput: {args.concurrency} clients for {args.seconds:.0f} s, direct then through the router")
-    direct_rps = await closed_loop(upstream, args.concurrency, args.seconds)
-    routed_rps = await closed_loop(router, args.concurrency, args.seconds)
+    direct_rps = await closed_loop([upstream], args.concurrency, args.seconds)
+    routed_rps = await closed_loop(routers, args.concurrency, args.seconds)
     return {"direct": direct, "routed": routed, "direct_rps": direct_rps, "routed_rps": routed_rps}
 
 
@@ -152,6 +183,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=500.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--replicas", type=int, default=2, help="router replicas (default 2, the chart's)")
     parser.add_argument(
         "--shared-cores",
         action="store_true",
@@ -168,8 +200,10 @@ def main() -> int:
         uvicorn.run(upstream_app, host="127.0.0.1", port=args.serve_upstream, log_level="error", access_log=False)
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="coserve-router-bench-"))
-    up_port, router_port = free_port(), free_port()
-    upstream, router = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
+    up_port = free_port()
+    router_ports = [free_port() for _ in range(args.replicas)]
+    upstream = f"http://127.0.0.1:{up_port}"
+    routers = [f"http://127.0.0.1:{port}" for port in router_ports]
     config = workdir / "router.json"
     config.write_text(json.dumps({"model": "tiny", "decoders": [upstream], "pollS": 1.0}))
     processes = [
@@ -177,26 +211,29 @@ def main() -> int:
             [sys.executable, __file__, "--serve-upstream", str(up_port)],
             preexec_fn=lambda: os.sched_setaffinity(0, client_cores),
         ),
-        subprocess.Popen(  # noqa: S603 - our own CLI
-            [
-                str(Path(sys.executable).with_name("coserve")),
-                "router",
-                "--config",
-                str(config),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(router_port),
-                "--log-level",
-                "warning",
-            ],
-            env={**os.environ},
-            preexec_fn=lambda: os.sched_setaffinity(0, router_cores),
-        ),
     ]
+    for port in router_ports:
+        processes.append(
+            subprocess.Popen(  # noqa: S603 - our own CLI
+                [
+                    str(Path(sys.executable).with_name("coserve")),
+                    "router",
+                    "--config",
+                    str(config),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                ],
+                env={**os.environ},
+                preexec_fn=lambda: os.sched_setaffinity(0, router_cores),
+            )
+        )
     os.sched_setaffinity(0, client_cores)
     try:
-        measured = asyncio.run(measure(args, upstream, router))
+        measured = asyncio.run(measure(args, upstream, routers))
     finally:
         for process in processes:
             process.terminate()
@@ -233,10 +270,12 @@ def main() -> int:
                 "rate_per_s": args.rate,
                 "seconds": args.seconds,
                 "concurrency": args.concurrency,
+                "router_replicas": args.replicas,
+                "workload": f"chat conversations of {TURNS} turns, each turn to the next replica in turn",
                 "machine": (
                     f"{len(cores)} cores, loopback; "
                     + (
-                        f"the router on core(s) {sorted(router_cores)}, the load generator and the upstream on "
+                        f"the router replicas on core(s) {sorted(router_cores)}, load generator and upstream on "
                         f"core {sorted(client_cores)} in both arms (as the router's own pod would have its CPU)"
                         if pinned
                         else "upstream, router and load generator share them"

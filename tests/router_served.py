@@ -64,11 +64,15 @@ class FakeEngine:
             self.requests.append(body)
             self.headers.append(dict(request.headers))
             if body.get("stream"):
+                options = body.get("stream_options") or {}
 
                 async def chunks() -> Any:
                     for index in range(3):
                         yield f"data: {json.dumps({'choices': [{'text': f'{self.name}{index}'}]})}\n\n".encode()
                         await asyncio.sleep(0.01)
+                    if options.get("include_usage"):  # as vLLM: a last event with the usage and no choices
+                        usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+                        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
                     yield b"data: [DONE]\n\n"
 
                 return StreamingResponse(chunks(), media_type="text/event-stream")

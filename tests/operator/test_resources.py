@@ -564,8 +564,9 @@ def test_router_runs_coserve_router_with_restricted_security() -> None:
     assert router["image"] == "ghcr.io/coserve/coserve:0.1.0"
     assert router["command"] == ["coserve", "router", "--config", "/etc/coserve/router.json", "--port", "8080"]
     assert router["resources"] == {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert router[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert router["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}  # the process serves
+    assert router["startupProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    assert router["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}  # it can place a request
     assert router["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,

@@ -77,6 +77,25 @@ def test_streaming_is_passed_through_chunk_by_chunk(pool: dict[str, Any]) -> Non
     assert json.loads(lines[0][6:])["choices"][0]["text"] == "d10"
 
 
+def test_streamed_tokens_are_counted_from_vllms_usage_which_only_clients_that_ask_for_see(
+    pool: dict[str, Any],
+) -> None:
+    """The router asks the engine for its usage event (``stream_options.include_usage``) to count tokens; a
+    client that asked for it gets it, one that did not never sees it."""
+    for asked in (False, True):
+        body = {"model": MODEL, "prompt": f"tell me {asked}", "stream": True}
+        if asked:
+            body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{pool['router']}/v1/completions", json=body, timeout=10) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line and line != "data: [DONE]"]
+        usage = [e["usage"] for e in events if e.get("usage")]
+        assert usage == ([{"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}] if asked else [])
+        assert len(events) == 3 + asked
+    assert all(r["stream_options"]["include_usage"] for r in pool["decoders"][1].requests)
+    metrics = httpx.get(f"{pool['router']}/metrics").text
+    assert "coserve_router_output_tokens_total 6.0" in metrics  # 3 + 3, from usage, not from counting events
+
+
 def test_a_dead_decoder_re_places_the_conversation_and_loses_no_request(pool: dict[str, Any]) -> None:
     _, light = pool["decoders"]
     opening = "a long conversation " * 30  # over 512 characters: turn 2 repeats what names the conversation

@@ -135,6 +135,36 @@ def test_ended_conversations_are_reported_once_with_their_span() -> None:
     assert pins.expire(now_s=21) == []
 
 
+def test_expiry_and_counts_cost_what_they_touch_not_the_table() -> None:
+    """With 100,000 live pins, a poll's expiry looks at the pins that expire (and the first that does not),
+    a dead decoder's drop at its own pins; per-decoder counts are kept, not recounted. A return to scanning
+    every pin fails this."""
+    pins = PinTable(ttl_s=100, max_pins=200_000)
+    for i in range(100_000):
+        pins.pin(f"c{i}", f"d{i % 4}", now_s=i * 0.001)  # pinned over 100 s
+    pins.touched = 0
+    assert pins.expire(now_s=100.0) == []  # none idle for 100 s yet
+    assert pins.touched == 1
+    ended = pins.expire(now_s=100.0105)  # the first ten (pinned before 0.0105 s) are now idle for too long
+    assert len(ended) == 11 and pins.touched == 1 + 12
+    assert pins.per_decoder() == {"d0": 24_997, "d1": 24_997, "d2": 24_997, "d3": 24_998}
+    pins.touched = 0
+    assert pins.drop_decoder("d1") == 24_997 and pins.touched == 24_997
+    assert "d1" not in pins.per_decoder() and len(pins) == 100_000 - 11 - 24_997
+
+
+def test_an_engine_is_down_after_consecutive_failed_polls_only() -> None:
+    engine = load("d", 0.1)
+    engine.failed(allowed=3)
+    engine.failed(allowed=3)
+    assert engine.healthy  # two slow answers in a row: still up
+    engine.polled(0.2, 0)
+    assert engine.failures == 0
+    for _ in range(3):
+        engine.failed(allowed=3)
+    assert not engine.healthy
+
+
 @pytest.mark.parametrize(
     ("waiting", "tokens", "slo_s", "meets"),
     [

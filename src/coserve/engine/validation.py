@@ -30,6 +30,12 @@ lowest class, with the class's own SLOs and no ``priority``, and never raises
 the flag, so a client that reaches an engine directly can neither jump the
 queue nor stall other classes' steps. Without the variable (a local engine) every
 request is trusted.
+
+It also keeps the engine's ``ConversationLog``: the conversation each routed
+request names in ``X-Coserve-Conversation`` is recorded, and the routers ask
+``POST /coserve/v1/conversations:lookup`` (``{"ids": [...]}``, router token
+required when one is mounted) which of their conversations this engine holds,
+so every router replica finds a conversation's decoder, whatever replica placed it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
 from typing import Any
 
+from coserve.engine.conversations import ConversationLog
 from coserve.engine.safepoint import SafepointBoard, board_name
 from coserve.scheduling import InvalidRequestClass, RunningStep, SchedRequest, should_preempt
 from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
@@ -59,6 +66,9 @@ __all__ = [
 
 ROUTER_TOKEN_FILE_ENV = "COSERVE_ROUTER_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
 ROUTER_TOKEN_HEADER = "x-coserve-router-token"  # noqa: S105 - a header's name, not a secret
+CONVERSATION_HEADER = "x-coserve-conversation"
+LOOKUP_PATH = "/coserve/v1/conversations:lookup"
+MAX_LOOKUP_IDS = 10_000
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -144,8 +154,12 @@ class RequestClassValidator:
         self._board: SafepointBoard | None = None
         self._board_checked = False
         self._wrapped: bool | None = None  # None: the hand-off is not wrapped yet
+        self.conversations = ConversationLog()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "http" and scope.get("method") == "POST" and scope.get("path") == LOOKUP_PATH:
+            await self._lookup(scope, receive, send)
+            return
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in CHECKED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -182,11 +196,38 @@ class RequestClassValidator:
                 scope = {**scope, "headers": _with_length(scope.get("headers") or [], len(body))}
             else:
                 proven = self._watch_hand_off(scope)
+                conversation = _header(scope, CONVERSATION_HEADER)
+                if conversation:
+                    self.conversations.record(conversation, time.monotonic())
         marker = _FROM_ROUTER.set(proven)
         try:
             await self.app(scope, _replay([body], None, receive), send)
         finally:
             _FROM_ROUTER.reset(marker)
+
+    async def _lookup(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Which of the asked conversations this engine holds (the routers' question; see the module doc)."""
+        if not self._from_router(scope):
+            await _respond(send, 403, openai_error("only the pool's router may look up conversations", None, 403))
+            return
+        raw = bytearray()
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if len(raw) > MAX_BODY_BYTES:
+                await _respond(send, 413, openai_error("lookup body too large", None, 413))
+                return
+            if not message.get("more_body"):
+                break
+        try:
+            ids = json.loads(raw).get("ids")
+        except (ValueError, AttributeError):
+            ids = None
+        if not isinstance(ids, list) or len(ids) > MAX_LOOKUP_IDS or not all(isinstance(i, str) for i in ids):
+            await _respond(send, 400, openai_error(f"expected {{'ids': [at most {MAX_LOOKUP_IDS} strings]}}", "ids"))
+            return
+        body = json.dumps({"found": self.conversations.lookup(ids, time.monotonic())}).encode()
+        await _respond(send, 200, body)
 
     def _from_router(self, scope: Scope) -> bool:
         """The request carries the pool's router token (compared in constant time)."""
@@ -282,6 +323,15 @@ def configured(kv_transfer_config: object) -> bool:
     extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
     children = extra.get("connectors") if isinstance(extra, dict) else None
     return any(isinstance(c, dict) and c.get("kv_connector") == "CoServeConnector" for c in children or ())
+
+
+def _header(scope: Scope, name: str) -> str | None:
+    """A request header's value (``name`` lower-case), or ``None``."""
+    wanted = name.encode()
+    for key, value in scope.get("headers") or []:
+        if key.lower() == wanted:
+            return bytes(value).decode("latin-1").strip() or None
+    return None
 
 
 def _with_length(headers: list[tuple[bytes, bytes]], length: int) -> list[tuple[bytes, bytes]]:

@@ -533,8 +533,11 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "command": ["coserve", "router", "--config", ROUTER_CONFIG_PATH, "--port", str(ROUTER_PORT)],
         "env": [_token_env()],
         "ports": [{"name": PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "livenessProbe": _http_probe("/health", period_s=10, failure_threshold=3),
-        "readinessProbe": _http_probe("/health", period_s=5, failure_threshold=3),
+        # Liveness: the process serves. Readiness: it can place a request (a healthy decoder below full), so
+        # while engines load (minutes on GPUs) the router is left alive and simply gets no traffic.
+        "startupProbe": _http_probe("/live", period_s=2, failure_threshold=30),
+        "livenessProbe": _http_probe("/live", period_s=10, failure_threshold=3),
+        "readinessProbe": _http_probe("/ready", period_s=5, failure_threshold=3),
         "resources": _resources(router.resources),
         "securityContext": {
             "allowPrivilegeEscalation": False,

@@ -11,7 +11,11 @@ Per request to ``/v1/chat/completions`` or ``/v1/completions``:
    key in ``tenants``); forwarded as ``vllm_xargs.coserve_class`` with the
    class's ``ttft_slo_ms`` and ``tpot_slo_ms`` (a client may relax them, never
    tighten them);
-3. its conversation: pinned to a decoder already, or placed now (turn 1, or a
+3. its conversation: pinned to a decoder already (in this replica's pin table,
+   or, when this replica holds no pin, found by asking the decoders which holds
+   it: every decoder records the conversations the router sends it, so a turn
+   lands on its decoder whatever router replica it reaches and however many
+   replicas restarted), or placed now (turn 1, or a
    re-placement when the pinned decoder is gone): with prefillers, the prompt is
    prefilled on one (``max_tokens`` 1, ``kv_transfer_params`` asking for a remote
    decode) so the decoder loads its KV instead of computing it; then it is
@@ -22,9 +26,16 @@ Per request to ``/v1/chat/completions`` or ``/v1/completions``:
    once on another decoder (a re-placement): never silently dropped.
 
 Engines are polled every ``pollS`` for ``vllm:kv_cache_usage_perc``,
-``vllm:num_requests_waiting`` and their KV capacity (``vllm:cache_config_info``);
+``vllm:num_requests_waiting`` and their KV capacity (``vllm:cache_config_info``),
+read with ``prometheus_client``'s parser; an engine is down after
+``decoderFailures`` consecutive failed polls (one slow answer is not a death);
 with ``prefillerService`` / ``decoderService`` the headless Services are
 resolved (DNS) at the same time.
+
+Counted once across replicas: a conversation is new (``conversations_total``,
+its turn-1 prompt in ``conversation_input_tokens``) only on the replica that
+placed it, and only that replica reports its lifetime (W) when it ends, after
+asking the decoder when the conversation was last served by any replica.
 """
 
 from __future__ import annotations
@@ -34,7 +45,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import socket
 import time
 import uuid
@@ -44,6 +54,7 @@ from typing import Any, Protocol
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -52,7 +63,10 @@ from starlette.routing import Route
 from coserve.router.batches import ENDPOINTS, BatchRunner, BatchStore, public
 from coserve.router.config import RouterConfig
 from coserve.router.policy import (
+    PROMPT_PREFIX_CHARS,
+    PROMPT_PREFIX_TOKENS,
     EngineLoad,
+    Pin,
     PinTable,
     choose_decoder,
     choose_gain_oriented,
@@ -83,9 +97,8 @@ def router_token_headers(environ: Mapping[str, str] | None = None) -> dict[str, 
     return {ROUTER_TOKEN_HEADER: token}
 
 
-_BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
-_BLOCK_SIZE = re.compile(r'block_size="(\d+)"')
-_METRIC = re.compile(r"^(vllm:kv_cache_usage_perc|vllm:num_requests_waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
+CONVERSATION_HEADER = "x-coserve-conversation"  # tells the decoder which conversation a turn belongs to
+LOOKUP_PATH = "/coserve/v1/conversations:lookup"  # the decoders' answer to "do you hold these?"
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str | None = None) -> JSONResponse:
@@ -170,6 +183,11 @@ class _Metrics:
         self.active = Gauge(
             "coserve_router_active_conversations", "Conversations pinned to a decoder (all decoders).", registry=r
         )
+        self.found = Counter(
+            "coserve_router_found_conversations",
+            "Conversations this replica held no pin for, found on the decoder that holds them.",
+            registry=r,
+        )
 
 
 class Router:
@@ -181,6 +199,7 @@ class Router:
         self.prefillers: dict[str, EngineLoad] = {url: EngineLoad(url) for url in config.prefillers}
         self.decoders: dict[str, EngineLoad] = {url: EngineLoad(url) for url in config.decoders}
         self.pins = PinTable(config.pin_ttl_s, config.max_pins)
+        self._failures_allowed = int(getattr(config, "decoder_failures", 3))
         self.metrics = _Metrics()
         self._upstream_headers = router_token_headers()  # read at start-up: a missing token file fails fast
         # NOTE: aiohttp, not httpx: httpx's pool scans every connection on every request, which capped
@@ -236,11 +255,14 @@ class Router:
                 await self._resolve(service, engines)
         everyone = [*self.prefillers.values(), *self.decoders.values()]
         await asyncio.gather(*(self._poll(engine) for engine in everyone))
-        for ended in self.pins.expire(self.clock()):
-            self.metrics.lifetime.observe(ended.last_used_s - ended.first_arrival_s)
+        now = self.clock()
+        names, ended = self.pins.expire_named(now)
+        if ended:
+            await self._end_conversations(ended, names, now)
         self.metrics.active.set(len(self.pins))
-        for url, count in self.pins.per_decoder().items():
-            self.metrics.pinned.labels(url).set(count)
+        counts = self.pins.per_decoder()
+        for url in self.decoders:
+            self.metrics.pinned.labels(url).set(counts.get(url, 0))
         for url, engine in self.prefillers.items():
             self.metrics.prefill_queue.labels(url).set(engine.waiting)
 
@@ -265,23 +287,65 @@ class Router:
             async with self.session.get(f"{engine.url}/metrics", timeout=aiohttp.ClientTimeout(total=2.0)) as response:
                 response.raise_for_status()
                 text = await response.text()
-        except (TimeoutError, aiohttp.ClientError):
-            engine.healthy = False
+            usage, waiting, capacity = _engine_load(text)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as error:
+            engine.failed(self._failures_allowed)
+            if not engine.healthy:
+                logger.warning("%s is down after %d failed polls (%s)", engine.url, engine.failures, error)
             return
-        usage, waiting, capacity = 0.0, 0.0, 0
-        for line in text.splitlines():
-            match = _METRIC.match(line)
-            if match and match.group(1) == "vllm:kv_cache_usage_perc":
-                usage = max(usage, float(match.group(2)))
-            elif match:
-                waiting += float(match.group(2))
-            elif line.startswith("vllm:cache_config_info{"):
-                # the KV capacity, so tokens admitted since this poll count as occupancy until the next one
-                blocks, size = _BLOCKS.search(line), _BLOCK_SIZE.search(line)
-                if blocks and size:
-                    capacity += int(blocks.group(1)) * int(size.group(1))
-        engine.polled(usage, int(waiting))
+        engine.polled(usage, waiting)
         engine.kv_capacity_tokens = capacity or engine.kv_capacity_tokens
+
+    async def _lookup(self, decoder: EngineLoad, conversations: list[str]) -> dict[str, dict[str, float]]:
+        """Which of ``conversations`` ``decoder`` holds (its ConversationLog); nothing when it cannot say."""
+        try:
+            async with self.session.post(
+                f"{decoder.url}{LOOKUP_PATH}", json={"ids": conversations}, timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as response:
+                if response.status != 200:
+                    return {}
+                found = (await response.json(content_type=None)).get("found")
+        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    async def _find_pin(self, conversation: str, now: float) -> Pin | None:
+        """The decoder another replica (or this one, before a restart) placed ``conversation`` on, if any
+        decoder holds it: the one that served it last."""
+        decoders = [d for d in self.decoders.values() if d.healthy]
+        answers = await asyncio.gather(*(self._lookup(d, [conversation]) for d in decoders))
+        best: tuple[float, EngineLoad, dict[str, float]] | None = None
+        for decoder, found in zip(decoders, answers, strict=True):
+            seen = found.get(conversation)
+            if isinstance(seen, dict) and float(seen.get("idle_s", 1e18)) <= self.config.pin_ttl_s:
+                idle = float(seen["idle_s"])
+                if best is None or idle < best[0]:
+                    best = (idle, decoder, seen)
+        if best is None:
+            return None
+        self.metrics.found.inc()
+        first = now - float(best[2].get("age_s", 0.0))
+        return self.pins.pin(conversation, best[1].url, now, first_arrival_s=first, owned=False)
+
+    async def _end_conversations(self, ended: list[Pin], names: list[str], now: float) -> None:
+        """Pins that expired here: the ones this replica placed report their lifetime (W) once the decoder
+        confirms the conversation is over; one still served through other replicas is kept."""
+        by_decoder: dict[str, list[tuple[str, Pin]]] = {}
+        for name, pin in zip(names, ended, strict=True):
+            if pin.owned:
+                by_decoder.setdefault(pin.decoder, []).append((name, pin))
+        for url, pins in by_decoder.items():
+            decoder = self.decoders.get(url)
+            found = await self._lookup(decoder, [n for n, _ in pins]) if decoder is not None else {}
+            for name, pin in pins:
+                seen = found.get(name)
+                idle = float(seen["idle_s"]) if isinstance(seen, dict) and "idle_s" in seen else None
+                if idle is not None and idle <= self.config.pin_ttl_s:
+                    kept = self.pins.pin(name, url, now - idle)  # still live elsewhere: keep owning it
+                    kept.first_arrival_s, kept.turns = pin.first_arrival_s, pin.turns
+                    continue
+                last = pin.last_used_s if idle is None else max(pin.last_used_s, now - idle)
+                self.metrics.lifetime.observe(max(0.0, last - pin.first_arrival_s))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -316,6 +380,8 @@ class Router:
             cls = class_for(self.config.classes, tenant, asked, priority)
         except InvalidRequestClass as error:
             return error_response(400, str(error), "vllm_xargs.coserve_class")
+        conversation = conversation_id(request.headers, body)  # before the body's own field is dropped
+        named = bool(request.headers.get("x-conversation-id") or body.get("conversation_id"))
         body.pop("priority", None)
         body.pop("conversation_id", None)
         slos = {}
@@ -328,8 +394,7 @@ class Router:
             # a client may relax its class's SLO, never tighten it: a tighter deadline is a higher priority
             slos[key] = max(float(asked_ms), floor_ms) if asked_ms is not None else floor_ms
         body["vllm_xargs"] = {**xargs, "coserve_class": cls.name, **slos}
-        conversation = conversation_id(request.headers, body)
-        return await self._route(endpoint, body, conversation, cls.name, cls.ttft_slo_s, arrived)
+        return await self._route(endpoint, body, conversation, cls.name, cls.ttft_slo_s, arrived, named)
 
     def has_spare_capacity(self, spare: float = 0.5) -> bool:
         """Offline batch work runs only while some decoder is below ``spare`` KV occupancy."""
@@ -397,8 +462,9 @@ class Router:
         return None
 
     async def _route(
-        self, endpoint: str, body: dict[str, Any], conversation: str, cls: str, slo_s: float, arrived: float
-    ) -> Response:
+        self, endpoint: str, body: dict[str, Any], conversation: str, cls: str, slo_s: float, arrived: float,
+        named: bool = False,
+    ) -> Response:  # fmt: skip
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         now = self.clock()
         if self.config.placement == "request":
@@ -406,21 +472,25 @@ class Router:
         if self.config.placement == "turn":
             conversation = f"{conversation}/{uuid.uuid4().hex}"  # every turn a new conversation
         pin = self.pins.get(conversation, now)
+        continued = _is_continuation(endpoint, body, named)
+        if pin is None and self.config.placement == "conversation" and continued is not False:
+            pin = await self._find_pin(conversation, now)
         tried: set[str] = set()
         for attempt in range(2):
             decoder = self.decoders.get(pin.decoder) if pin is not None else None
             if decoder is None or not decoder.healthy or decoder.url in tried:
-                if pin is not None:
-                    self.metrics.replacements.inc()
-                elif attempt == 0:
+                new = pin is None and attempt == 0  # no pin here, and no decoder holds it
+                if new:
                     self.metrics.conversations.inc()
+                else:  # its decoder is gone
+                    self.metrics.replacements.inc()
                 candidates = [d for d in self.decoders.values() if d.url not in tried]
                 decoder = choose_decoder(candidates, self.config.decoder_full)
                 if decoder is None:
                     return error_response(
                         503, "no decoder can take a new conversation now (all full or down); retry shortly"
                     )
-                body = await self._prefill(path, body, slo_s)
+                body = await self._prefill(path, body, slo_s, count_input=new)
                 pin = self.pins.pin(conversation, decoder.url, now)
             else:
                 self.metrics.turns.inc()
@@ -428,7 +498,7 @@ class Router:
             pin.turns += 1
             decoder.admitted_tokens += _estimate_tokens(body)
             try:
-                return await self._forward(decoder, path, body, cls, slo_s, arrived, pin.first_arrival_s)
+                return await self._forward(decoder, path, body, cls, slo_s, arrived, pin.first_arrival_s, conversation)
             except _Unavailable as failure:
                 logger.warning("decoder %s failed (%s): re-placing conversation %s", decoder.url, failure, conversation)
                 decoder.healthy = False
@@ -453,16 +523,17 @@ class Router:
                 tried.add(decoder.url)
         return error_response(503, "no decoder can take the request now (all full or down); retry shortly")
 
-    async def _prefill(self, path: str, body: dict[str, Any], slo_s: float) -> dict[str, Any]:
+    async def _prefill(self, path: str, body: dict[str, Any], slo_s: float, count_input: bool = True) -> dict[str, Any]:
         """Turn 1 on a prefiller: its KV goes to the decoder (handoff); on failure the decoder computes it.
-        Either way the conversation's L_in is observed (the prefiller's own count when it answered)."""
+        Either way a new conversation's L_in is observed (the prefiller's own count when it answered)."""
         tokens = _estimate_tokens(body)
         candidates = list(self.prefillers.values())
         prefiller = choose_gain_oriented(
             candidates, prefill_deadlines(candidates, tokens, slo_s, self.config.prefill_latency)
         )
         if prefiller is None:
-            self.metrics.input_tokens.observe(tokens)
+            if count_input:
+                self.metrics.input_tokens.observe(tokens)
             return body
         prefill = {**body, "stream": False, "max_tokens": 1}
         if self.config.kv_transfer_params:
@@ -484,7 +555,8 @@ class Router:
         usage = answer.get("usage")
         counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         tokens = counted if isinstance(counted, int) else tokens
-        self.metrics.input_tokens.observe(tokens)
+        if count_input:
+            self.metrics.input_tokens.observe(tokens)
         if answer:
             self.metrics.prefill_tokens.labels(prefiller.url).inc(tokens)
         params = answer.get("kv_transfer_params")
@@ -492,17 +564,26 @@ class Router:
 
     async def _forward(
         self, decoder: EngineLoad, path: str, body: dict[str, Any], cls: str, slo_s: float, arrived: float,
-        first_arrival: float,
+        first_arrival: float, conversation: str | None = None,
     ) -> Response:  # fmt: skip
+        headers = {CONVERSATION_HEADER: conversation} if conversation else None
+        streaming = bool(body.get("stream"))
+        wants_usage = False
+        if streaming:  # token counts from vLLM's usage; the usage chunk reaches the client only if it asked
+            options = body.get("stream_options")
+            wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            if not wants_usage:
+                body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}),
+                                                   "include_usage": True}}  # fmt: skip
         try:
-            response = await self.session.post(f"{decoder.url}{path}", json=body)
+            response = await self.session.post(f"{decoder.url}{path}", json=body, headers=headers)
         except (TimeoutError, aiohttp.ClientConnectionError) as error:
             raise _Unavailable(str(error) or type(error).__name__) from error
         if response.status in _RETRYABLE:
             response.release()
             raise _Unavailable(f"HTTP {response.status}")
-        headers = {"content-type": response.headers.get("content-type", "application/json")}
-        if not body.get("stream"):
+        out_headers = {"content-type": response.headers.get("content-type", "application/json")}
+        if not streaming:
             try:
                 content = await response.read()
             except (TimeoutError, aiohttp.ClientError) as error:
@@ -511,33 +592,60 @@ class Router:
                 response.release()
             self._observe(cls, slo_s, arrived, first_arrival)
             self._count_usage(content)
-            return Response(content, response.status, headers=headers)
+            return Response(content, response.status, headers=out_headers)
         return StreamingResponse(
-            self._relay(response, cls, slo_s, arrived, first_arrival), response.status, headers=headers
+            self._relay(response, cls, slo_s, arrived, first_arrival, wants_usage), response.status, headers=out_headers
         )
 
     async def _relay(
-        self, response: aiohttp.ClientResponse, cls: str, slo_s: float, arrived: float, first_arrival: float
-    ) -> AsyncIterator[bytes]:
+        self, response: aiohttp.ClientResponse, cls: str, slo_s: float, arrived: float, first_arrival: float,
+        pass_usage: bool = True,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        """The decoder's SSE stream, passed through as it comes; the final usage event is read for the token
+        counts and dropped when the client did not ask for it (the router asked on its behalf)."""
         last: float | None = None
-        events = 0  # SSE data events: about one per output token (vLLM streams each token step)
+        pending = b""  # the start of an event whose end has not arrived yet
         try:
             async for chunk in response.content.iter_any():
-                events += chunk.count(b"data: ")
                 now = self.clock()
                 if last is None:
                     self._observe(cls, slo_s, arrived, first_arrival)
                 else:
                     self.metrics.tbt.observe(now - last)
                 last = now
-                yield chunk
+                if b'"usage"' not in chunk and not pending:
+                    yield chunk  # the hot path: a token event, untouched
+                    continue
+                pending += chunk
+                complete, _, pending = pending.rpartition(b"\n\n")
+                if not complete:
+                    continue
+                kept = [e for e in complete.split(b"\n\n") if not self._usage_event(e) or pass_usage]
+                if kept:
+                    yield b"\n\n".join(kept) + b"\n\n"
+            if pending:
+                yield pending
         except (TimeoutError, aiohttp.ClientError) as error:
             # the client already has part of the answer: end the stream with an error event, not silence
             message = json.dumps({"error": {"message": f"the decoder failed mid-answer: {error}", "code": 502}})
             yield f"data: {message}\n\n".encode()
         finally:
             response.release()
-            self.metrics.output_tokens.inc(max(0, events - 1))  # less the closing [DONE]
+
+    def _usage_event(self, event: bytes) -> bool:
+        """Whether ``event`` is vLLM's closing usage event (no choices); counts its tokens if so."""
+        if b'"usage"' not in event or not event.startswith(b"data: {"):
+            return False
+        try:
+            data = json.loads(event[6:])
+        except ValueError:
+            return False
+        usage = data.get("usage") if isinstance(data, dict) else None
+        if not isinstance(usage, dict) or data.get("choices"):
+            return False
+        self.metrics.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
+        self.metrics.output_tokens.inc(usage.get("completion_tokens") or 0)
+        return True
 
     def _observe(self, cls: str, slo_s: float, arrived: float, first_arrival: float) -> None:
         now = self.clock()
@@ -585,6 +693,38 @@ class _Unavailable(RuntimeError):
     """The decoder could not be used, and nothing was sent to the client yet: safe to retry elsewhere."""
 
 
+def _engine_load(text: str) -> tuple[float, int, int]:
+    """KV usage (the highest engine's), requests waiting and KV capacity in tokens from an engine's /metrics."""
+    usage, waiting, capacity = 0.0, 0.0, 0
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:kv_cache_usage_perc":
+            usage = max((sample.value for sample in family.samples), default=0.0)
+        elif family.name == "vllm:num_requests_waiting":
+            waiting = sum(sample.value for sample in family.samples)
+        elif family.name in ("vllm:cache_config_info", "vllm:cache_config"):  # its labels: the KV capacity
+            for sample in family.samples:
+                blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
+                if blocks and size and blocks.isdigit() and size.isdigit():
+                    capacity += int(blocks) * int(size)
+    return usage, int(waiting), capacity
+
+
+def _is_continuation(endpoint: str, body: Mapping[str, Any], named: bool) -> bool | None:
+    """Whether a request carries earlier turns: True for chat with an assistant or tool message; False for
+    chat without one (turn 1) and for a completion whose prompt is too short for a stable name (no earlier
+    turn can share it); None (ask the decoders) for other completions and any explicitly named one."""
+    if endpoint == "chat":
+        messages = body.get("messages") or ()
+        return any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in messages)
+    if named:
+        return None
+    prompt = body.get("prompt")
+    short = (isinstance(prompt, str) and len(prompt) <= PROMPT_PREFIX_CHARS) or (
+        isinstance(prompt, list) and len(prompt) <= PROMPT_PREFIX_TOKENS
+    )
+    return False if short else None
+
+
 def _estimate_tokens(body: Mapping[str, Any]) -> int:
     """A cheap size estimate for the admitted-token accounting (4 characters a token)."""
     prompt = body.get("prompt")
@@ -610,10 +750,15 @@ def build_app(config: RouterConfig, router: Router | None = None) -> RouterApp:
             {"object": "list", "data": [{"id": config.model, "object": "model", "owned_by": "coserve"}]}
         )
 
-    async def health(_: Request) -> Response:
+    async def live(_: Request) -> Response:
+        """Liveness: the process serves (a router without decoders is waiting, not broken)."""
+        return JSONResponse({"status": "ok"})
+
+    async def ready(_: Request) -> Response:
+        """Readiness: the router can place a request (a healthy decoder below full)."""
         up = [d.url for d in state.decoders.values() if d.healthy]
-        status = 200 if up else 503
-        return JSONResponse({"decoders_up": len(up), "pinned": len(state.pins)}, status)
+        placeable = choose_decoder(list(state.decoders.values()), config.decoder_full) is not None
+        return JSONResponse({"decoders_up": len(up), "pinned": len(state.pins)}, 200 if placeable else 503)
 
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(state.metrics.registry), headers={"content-type": "text/plain; version=0.0.4"})
@@ -698,7 +843,9 @@ def build_app(config: RouterConfig, router: Router | None = None) -> RouterApp:
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
-            Route("/health", health, methods=["GET"]),
+            Route("/live", live, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
+            Route("/health", ready, methods=["GET"]),  # kept for existing probes and scripts: readiness
             Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,

@@ -109,6 +109,7 @@ class EngineLoad:
     admitted_tokens: int = 0  # tokens the router sent it since that poll
     waiting: int = 0  # vllm:num_requests_waiting at the last poll
     healthy: bool = True
+    failures: int = 0  # consecutive failed polls
 
     def occupancy(self) -> float:
         extra = self.admitted_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
@@ -116,6 +117,13 @@ class EngineLoad:
 
     def polled(self, kv_usage: float, waiting: int) -> None:
         self.kv_usage, self.waiting, self.admitted_tokens, self.healthy = kv_usage, waiting, 0, True
+        self.failures = 0
+
+    def failed(self, allowed: int) -> None:
+        """A poll failed: the engine is down once ``allowed`` polls in a row have (one slow answer is not)."""
+        self.failures += 1
+        if self.failures >= allowed:
+            self.healthy = False
 
 
 def choose_decoder(decoders: Sequence[EngineLoad], full: float = 0.9) -> EngineLoad | None:
@@ -162,18 +170,27 @@ class Pin:
     last_used_s: float
     turns: int = 0
     first_arrival_s: float = 0.0
+    # True on the replica that placed turn 1: it alone reports the conversation's lifetime (W) when it ends
+    owned: bool = True
 
 
 class PinTable:
-    """Conversation -> decoder, with an idle TTL and a bound on entries (LRU)."""
+    """Conversation -> decoder, with an idle TTL and a bound on entries (LRU).
+
+    Every operation costs what it touches, never the table: entries are kept in last-use order, so expiry
+    pops from the old end only the pins that expired, and per-decoder counts and members are kept as pins
+    are added, moved, dropped and expired (``per_decoder`` is a copy of the counts, not a recount).
+    """
 
     def __init__(self, ttl_s: float = 1800.0, max_pins: int = 100_000) -> None:
         if ttl_s <= 0 or max_pins <= 0:
             raise ValueError("pin TTL and table size must be positive")
         self.ttl_s = ttl_s
         self.max_pins = max_pins
-        self._pins: OrderedDict[str, Pin] = OrderedDict()
-        self._ended: list[Pin] = []  # expired on lookup, reported by the next expire()
+        self._pins: OrderedDict[str, Pin] = OrderedDict()  # least recently used first
+        self._by_decoder: dict[str, set[str]] = {}
+        self._ended: list[tuple[str, Pin]] = []  # expired on lookup, reported by the next expire()
+        self.touched = 0  # entries examined by expire() and drop_decoder() (tests hold the cost to this)
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -183,36 +200,58 @@ class PinTable:
         if pin is None:
             return None
         if now_s - pin.last_used_s > self.ttl_s:
-            self._ended.append(self._pins.pop(conversation))
+            self._ended.append((conversation, self._remove(conversation)))
             return None
         pin.last_used_s = now_s
         self._pins.move_to_end(conversation)
         return pin
 
-    def pin(self, conversation: str, decoder: str, now_s: float) -> Pin:
+    def pin(self, conversation: str, decoder: str, now_s: float, first_arrival_s: float | None = None,
+            owned: bool = True) -> Pin:  # fmt: skip
+        """Pin ``conversation`` to ``decoder`` (a new conversation, a re-placement, or one another replica
+        placed: then ``owned`` is False and ``first_arrival_s`` is what the decoder says)."""
         old = self._pins.get(conversation)
-        pin = Pin(decoder, now_s, old.turns if old else 0, old.first_arrival_s if old else now_s)
+        if old is not None:
+            self._remove(conversation)
+        first = old.first_arrival_s if old else (now_s if first_arrival_s is None else first_arrival_s)
+        pin = Pin(decoder, now_s, old.turns if old else 0, first, old.owned if old else owned)
         self._pins[conversation] = pin
-        self._pins.move_to_end(conversation)
+        self._by_decoder.setdefault(decoder, set()).add(conversation)
         while len(self._pins) > self.max_pins:
-            self._pins.popitem(last=False)
+            self._remove(next(iter(self._pins)))
         return pin
 
     def drop_decoder(self, decoder: str) -> int:
         """A decoder left: forget its pins (their next turns are re-placed); how many."""
-        gone = [c for c, p in self._pins.items() if p.decoder == decoder]
+        gone = self._by_decoder.pop(decoder, set())
+        self.touched += len(gone)
         for conversation in gone:
             del self._pins[conversation]
         return len(gone)
 
     def expire(self, now_s: float) -> list[Pin]:
         """Forget conversations idle for longer than the TTL (they ended); their pins."""
-        expired = [c for c, p in self._pins.items() if now_s - p.last_used_s > self.ttl_s]
+        return self.expire_named(now_s)[1]
+
+    def expire_named(self, now_s: float) -> tuple[list[str], list[Pin]]:
+        """``expire``, with the conversations' names beside their pins."""
         ended, self._ended = self._ended, []
-        return ended + [self._pins.pop(conversation) for conversation in expired]
+        while self._pins:
+            conversation, oldest = next(iter(self._pins.items()))
+            self.touched += 1
+            if now_s - oldest.last_used_s <= self.ttl_s:
+                break
+            ended.append((conversation, self._remove(conversation)))
+        return [name for name, _ in ended], [pin for _, pin in ended]
 
     def per_decoder(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for pin in self._pins.values():
-            counts[pin.decoder] = counts.get(pin.decoder, 0) + 1
-        return counts
+        return {decoder: len(members) for decoder, members in self._by_decoder.items() if members}
+
+    def _remove(self, conversation: str) -> Pin:
+        pin = self._pins.pop(conversation)
+        members = self._by_decoder.get(pin.decoder)
+        if members is not None:
+            members.discard(conversation)
+            if not members:
+                del self._by_decoder[pin.decoder]
+        return pin
