@@ -1,4 +1,7 @@
-"""Offline batches through the router over real HTTP (fake engines, as in test_app.py)."""
+"""Offline batches through the router over real HTTP (fake engines, as in test_app.py).
+
+The runner's exactly-once takeover and its locks: test_batch_runner.py and test_batch_lock.py.
+"""
 
 from __future__ import annotations
 
@@ -114,26 +117,3 @@ def test_a_bad_batch_file_is_a_400_naming_the_line(
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "input_file_id"
     finally:
         router.stop()
-
-
-def test_replicas_sharing_a_batch_dir_run_each_batch_once_and_take_over_a_dead_ones(tmp_path: Path) -> None:
-    from coserve.router.batches import BatchRunner, BatchStore
-
-    store = BatchStore(tmp_path)
-
-    async def send(endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        return 200, b"{}"
-
-    first, second = (BatchRunner(store, send, lambda: True, lease_s=5.0) for _ in range(2))
-    assert first.claim("batch_a") and first.claim("batch_a")  # held, then renewed
-    assert not second.claim("batch_a")  # another replica runs it
-    assert second.claim("batch_b")
-    lease = store.batches / "batch_a.lease"
-    stale = time.time() - 10
-    import os
-
-    os.utime(lease, (stale, stale))  # the first replica died: its lease is no longer renewed
-    assert second.claim("batch_a") and not first.claim("batch_a")
-    second.release()
-    assert not list(store.batches.glob("*.lease"))  # a clean stop hands its batches over at once
-    assert first.claim("batch_a")

@@ -60,6 +60,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from coserve.router.batch_lock import batch_locks
 from coserve.router.batches import ENDPOINTS, BatchRunner, BatchStore, public
 from coserve.router.config import RouterConfig
 from coserve.router.policy import (
@@ -199,7 +200,7 @@ class Router:
         self.prefillers: dict[str, EngineLoad] = {url: EngineLoad(url) for url in config.prefillers}
         self.decoders: dict[str, EngineLoad] = {url: EngineLoad(url) for url in config.decoders}
         self.pins = PinTable(config.pin_ttl_s, config.max_pins)
-        self._failures_allowed = int(getattr(config, "decoder_failures", 3))
+        self._failures_allowed = config.decoder_failures
         self.metrics = _Metrics()
         self._upstream_headers = router_token_headers()  # read at start-up: a missing token file fails fast
         # NOTE: aiohttp, not httpx: httpx's pool scans every connection on every request, which capped
@@ -207,7 +208,14 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._poller: asyncio.Task[None] | None = None
         self.batches = BatchStore(Path(config.batch_dir)) if config.batch_dir else None
-        self._runner = BatchRunner(self.batches, self.run_offline, self.has_spare_capacity) if self.batches else None
+        self._runner = (
+            BatchRunner(
+                self.batches, self.run_offline, self.has_spare_capacity,
+                locks=batch_locks(config.batch_lock, self.batches.batches, namespace=os.environ.get("POD_NAMESPACE")),
+            )
+            if self.batches
+            else None
+        )  # fmt: skip
 
     @property
     def session(self) -> aiohttp.ClientSession:

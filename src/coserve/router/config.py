@@ -8,132 +8,287 @@
      "tenants": {"sk-team-a": "interactive"},         # API key -> the highest class it may use
      "anonymousClass": "standard",                    # requests without a known key (default: the default class)
      "maxBodyBytes": 8388608, "pinTtlS": 1800, "maxPins": 100000,
-     "decoderFull": 0.9, "pollS": 1.0, "upstreamTimeoutS": 600,
+     "decoderFull": 0.9, "pollS": 1.0, "decoderFailures": 3, "upstreamTimeoutS": 600,
      "kvTransferParams": false,                       # true: vLLM's P/D transfer parameters (NixlConnector)
      "placement": "conversation",                     # "turn" / "request": baselines (see RouterConfig)
      "batchDir": "/var/lib/coserve/batches",          # offline batches persist here (absent: no batch API)
+     "batchLock": "file",                             # or "lease": one runner per batch across replicas
      "prefillLatency": {"constantS": 0.01, "perTokenS": 1e-4, "perTokenSquaredS": 0}}
                                                       # the engine profile's prefill cost: prefillers that
                                                       # cannot meet a request's TTFT SLO are avoided
 
-Who calls it: ``coserve router --config FILE`` at start-up. Errors raise
-``InvalidInput`` with one ``field: reason`` problem each.
+Every key but ``model`` is optional; an unknown key is an error (a typo must not vanish silently).
+
+Who calls it: ``coserve router --config FILE`` and ``coserve up`` at start-up. Errors raise
+``InvalidInput`` with one ``field: reason`` problem each; a tenant's API key appears in them
+cut to its first six characters.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from coserve.api.problems import InvalidInput, Problem
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetPydanticSchema,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic_core import ErrorDetails, core_schema
+
+from coserve.api.problems import InvalidInput, Problem, format_path
 from coserve.scheduling.config import DEFAULT_CLASSES
 from coserve.scheduling.requests import ClassRegistry
 
-__all__ = ["RouterConfig", "parse_router_config"]
+__all__ = ["PrefillLatency", "RouterConfig", "parse_router_config"]
+
+_MAX_INPUT_REPR = 60
+_LATENCY_KEYS = ("constantS", "perTokenS", "perTokenSquaredS")
+
+# snake_case in Python, camelCase in router.json; strict as JSON is (no "8000" for 8000, no true for 1).
+_CONFIG = ConfigDict(
+    alias_generator=to_camel,
+    validate_by_name=True,
+    validate_by_alias=True,
+    frozen=True,
+    extra="forbid",
+    strict=True,
+    allow_inf_nan=False,
+)
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    model: str
-    classes: ClassRegistry
-    prefillers: tuple[str, ...] = ()
-    decoders: tuple[str, ...] = ()
-    prefiller_service: str | None = None
-    decoder_service: str | None = None
-    engine_port: int = 8000
-    tenants: Mapping[str, str] = field(default_factory=dict)
-    anonymous_class: str | None = None
-    max_body_bytes: int = 8 << 20
-    pin_ttl_s: float = 1800.0
-    max_pins: int = 100_000
-    decoder_full: float = 0.9
-    poll_s: float = 1.0
-    upstream_timeout_s: float = 600.0
-    # send vLLM's P/D transfer parameters with the prefill (NixlConnector on GPUs); the shm handoff needs none
-    kv_transfer_params: bool = False
-    # "conversation": pin a conversation's turns to one decoder. Baselines for the ttfet benchmark:
-    # "turn": every turn placed as if new (prefilled on a prefiller, handed to the emptiest decoder);
-    # "request": every request to the emptiest decoder, no prefiller (a per-request load balancer)
-    placement: str = "conversation"
-    # offline batches (/v1/files, /v1/batches) are kept here; None: the batch API is off
-    batch_dir: str | None = None
-    # (constant s, s per token, s per token squared) of one prefill; None: no deadline estimates
-    prefill_latency: tuple[float, float, float] | None = None
+class PrefillLatency(BaseModel):
+    """``prefillLatency``: one prefill of n tokens takes constantS + perTokenS·n + perTokenSquaredS·n² seconds."""
+
+    model_config = _CONFIG
+
+    constant_s: float = Field(0.0, ge=0, description="constantS is the fixed cost of one prefill, in seconds.")
+    per_token_s: float = Field(0.0, ge=0, description="perTokenS is the cost of each prompt token, in seconds.")
+    per_token_squared_s: float = Field(
+        0.0, ge=0, description="perTokenSquaredS is the attention term, in seconds per token squared."
+    )
+
+    def terms(self) -> tuple[float, float, float]:
+        return (self.constant_s, self.per_token_s, self.per_token_squared_s)
+
+
+def _latency_schema(_source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+    """``{"constantS": ..}`` (router.json) or a 3-tuple (Python) -> the tuple, errors under their JSON names."""
+    return core_schema.no_info_before_validator_function(
+        _latency_mapping,
+        core_schema.chain_schema(
+            [
+                handler.generate_schema(PrefillLatency),
+                core_schema.no_info_plain_validator_function(PrefillLatency.terms),
+            ]
+        ),
+    )
+
+
+def _latency_mapping(value: object) -> object:
+    if isinstance(value, tuple) and len(value) == len(_LATENCY_KEYS):
+        return dict(zip(_LATENCY_KEYS, value, strict=True))
+    if not isinstance(value, Mapping):
+        raise ValueError("must map constantS, perTokenS, perTokenSquaredS to numbers >= 0")
+    return value
+
+
+def _known_class(name: str, info: ValidationInfo) -> str:
+    classes = info.data.get("classes")  # absent when priorityClasses itself is wrong: reported there
+    if classes is not None and name not in classes.names:
+        raise ValueError(f"unknown class {name!r}")
+    return name
+
+
+# (constant s, s per token, s per token squared) of one prefill
+PrefillLatencyTerms = Annotated[tuple[float, float, float], GetPydanticSchema(_latency_schema)]
+ClassName = Annotated[str, AfterValidator(_known_class)]
+
+
+class RouterConfig(BaseModel):
+    """What ``coserve router`` serves with, validated when built.
+
+    Who builds it: ``parse_router_config`` from ``router.json`` (camelCase keys); code and tests may
+    construct it with the Python names. Fields that check another field come after it.
+    """
+
+    model_config = ConfigDict(**_CONFIG, arbitrary_types_allowed=True)
+
+    model: str = Field(min_length=1, description="model is the model name clients ask for.")
+    classes: ClassRegistry = Field(
+        default_factory=lambda: ClassRegistry(DEFAULT_CLASSES),
+        alias="priorityClasses",
+        description="priorityClasses lists the pool's classes (name, weight, ttftSloMs, tpotSloMs); "
+        "absent or empty: the default interactive, standard and offline classes.",
+    )
+    prefillers: tuple[str, ...] = Field(
+        (), description="prefillers lists the prefillers' http(s) base URLs (a local pool)."
+    )
+    prefiller_service: str | None = Field(
+        None, description="prefillerService is the prefillers' headless Service, resolved on every poll."
+    )
+    decoder_service: str | None = Field(
+        None, description="decoderService is the decoders' headless Service, resolved on every poll."
+    )
+    decoders: tuple[str, ...] = Field(
+        (),
+        validate_default=True,
+        description="decoders lists the decoders' http(s) base URLs; give decoders, a decoderService or both.",
+    )
+    engine_port: int = Field(
+        8000, ge=1, le=65535, description="enginePort is the port of the engines a Service resolves to."
+    )
+    offline: Mapping[str, Any] = Field(
+        default_factory=dict,
+        description="offline is the pool's offline co-serving setting as the engines get it; the router "
+        "does not read it.",
+    )
+    tenants: Mapping[str, ClassName] = Field(
+        default_factory=dict, description="tenants maps an API key to the highest class its requests may use."
+    )
+    anonymous_class: str | None = Field(
+        None, description="anonymousClass is the class of requests without a known key; absent: the default class."
+    )
+    max_body_bytes: int = Field(
+        8 << 20, ge=1024, le=1 << 30, description="maxBodyBytes is the largest request body accepted, in bytes."
+    )
+    pin_ttl_s: float = Field(
+        1800.0,
+        ge=1,
+        le=7 * 86400,
+        description="pinTtlS is how long an idle conversation stays pinned to its decoder, in seconds.",
+    )
+    max_pins: int = Field(
+        100_000,
+        ge=1,
+        le=10_000_000,
+        description="maxPins bounds the pinned conversations; the least recently used pin goes first.",
+    )
+    decoder_full: float = Field(
+        0.9,
+        ge=0.05,
+        le=1.0,
+        description="decoderFull is the KV cache usage at which a decoder takes no new conversations.",
+    )
+    poll_s: float = Field(
+        1.0, ge=0.05, le=1.0, description="pollS is the time between two polls of every engine's load, in seconds."
+    )
+    decoder_failures: int = Field(
+        3, ge=1, description="decoderFailures is how many polls in a row must fail before a decoder is marked down."
+    )
+    upstream_timeout_s: float = Field(
+        600.0, ge=1, le=86400, description="upstreamTimeoutS bounds one request to an engine, in seconds."
+    )
+    kv_transfer_params: bool = Field(
+        False,
+        description="kvTransferParams sends vLLM's P/D transfer parameters with the prefill (NixlConnector "
+        "on GPUs); the shm handoff needs none.",
+    )
+    placement: Literal["conversation", "turn", "request"] = Field(
+        "conversation",
+        description="placement is conversation (pin a conversation's turns to one decoder), or a baseline: "
+        "turn (every turn placed as if new: prefilled on a prefiller, handed to the emptiest decoder) or "
+        "request (every request to the emptiest decoder, no prefiller: a per-request load balancer).",
+    )
+    batch_dir: str | None = Field(
+        None, description="batchDir keeps offline batches (/v1/files, /v1/batches); absent: the batch API is off."
+    )
+    batch_lock: Literal["file", "lease"] = Field(
+        "file",
+        description="batchLock is how router replicas sharing batchDir make sure one runs each batch: file (an "
+        "flock on batchDir, one machine or a filesystem with POSIX locks) or lease (a coordination.k8s.io "
+        "Lease per batch in POD_NAMESPACE).",
+    )
+    prefill_latency: PrefillLatencyTerms | None = Field(
+        None,
+        description="prefillLatency is the engine profile's prefill cost: prefillers that cannot meet a "
+        "request's TTFT SLO are avoided; absent: no deadline estimates.",
+    )
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _build_classes(cls, value: object) -> object:
+        if isinstance(value, ClassRegistry):
+            return value
+        if value is None or value == []:
+            return ClassRegistry(DEFAULT_CLASSES)
+        if not isinstance(value, list) or not all(isinstance(item, Mapping) for item in value):
+            raise ValueError("must be a list of classes (name, weight, ttftSloMs, tpotSloMs)")
+        return ClassRegistry(value)
+
+    @field_validator("prefiller_service", "decoder_service", "batch_dir", mode="before")
+    @classmethod
+    def _empty_is_absent(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("prefillers", "decoders", mode="before")
+    @classmethod
+    def _base_urls(cls, value: object) -> object:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("must be a list of http(s) base URLs")
+        for url in value:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"must be a list of http(s) base URLs, got {url!r}")
+        return tuple(url.rstrip("/") for url in value)
+
+    @field_validator("decoders")
+    @classmethod
+    def _some_decoder(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        # NOTE: when decoderService itself is wrong it is missing from info.data and reported on its own.
+        if not value and "decoder_service" in info.data and info.data["decoder_service"] is None:
+            raise ValueError("give decoder URLs or a decoderService to resolve")
+        return value
+
+    @field_validator("anonymous_class")
+    @classmethod
+    def _anonymous_class_exists(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _known_class(value, info)
 
 
 def parse_router_config(data: Mapping[str, Any]) -> RouterConfig:
-    problems: list[Problem] = []
-
-    def number(key: str, default: float, low: float, high: float) -> float:
-        value = data.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            problems.append(Problem(key, f"must be a number in [{low:g}, {high:g}], got {value!r}"))
-            return default
-        return float(value)
-
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        problems.append(Problem("model", "required: the model name clients ask for"))
-        model = ""
-    endpoints: dict[str, tuple[str, ...]] = {}
-    for key in ("prefillers", "decoders"):
-        value = data.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) and v.startswith("http") for v in value):
-            problems.append(Problem(key, "must be a list of http(s) base URLs"))
-            value = []
-        endpoints[key] = tuple(v.rstrip("/") for v in value)
-    if not endpoints["decoders"] and not data.get("decoderService") and not any(p.path == "decoders" for p in problems):
-        problems.append(Problem("decoders", "give decoder URLs or a decoderService to resolve"))
+    """Validate ``router.json``'s object; raise ``InvalidInput`` with one problem per error."""
     try:
-        classes = ClassRegistry(data.get("priorityClasses") or DEFAULT_CLASSES)
-    except ValueError as error:
-        problems.append(Problem("priorityClasses", str(error)))
-        classes = ClassRegistry(DEFAULT_CLASSES)
-    tenants = data.get("tenants", {})
-    if not isinstance(tenants, Mapping):
-        problems.append(Problem("tenants", "must map API keys to class names"))
-        tenants = {}
-    for key, name in tenants.items():
-        if name not in classes.names:
-            problems.append(Problem(f"tenants[{str(key)[:6]}...]", f"unknown class {name!r}"))
-    anonymous = data.get("anonymousClass")
-    if anonymous is not None and anonymous not in classes.names:
-        problems.append(Problem("anonymousClass", f"unknown class {anonymous!r}"))
-    latency = data.get("prefillLatency")
-    prefill_latency: tuple[float, float, float] | None = None
-    if latency is not None:
-        terms = [latency.get(k, 0.0) if isinstance(latency, Mapping) else None
-                 for k in ("constantS", "perTokenS", "perTokenSquaredS")]  # fmt: skip
-        if all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0 for t in terms):
-            prefill_latency = (float(terms[0]), float(terms[1]), float(terms[2]))  # type: ignore[arg-type]
-        else:
-            problems.append(
-                Problem("prefillLatency", "must map constantS, perTokenS, perTokenSquaredS to numbers >= 0")
-            )
-    config = RouterConfig(
-        model=model,
-        classes=classes,
-        prefillers=endpoints["prefillers"],
-        decoders=endpoints["decoders"],
-        prefiller_service=data.get("prefillerService") or None,
-        decoder_service=data.get("decoderService") or None,
-        engine_port=int(number("enginePort", 8000, 1, 65535)),
-        tenants=dict(tenants),
-        anonymous_class=anonymous,
-        max_body_bytes=int(number("maxBodyBytes", 8 << 20, 1024, 1 << 30)),
-        pin_ttl_s=number("pinTtlS", 1800.0, 1, 7 * 86400),
-        max_pins=int(number("maxPins", 100_000, 1, 10_000_000)),
-        decoder_full=number("decoderFull", 0.9, 0.05, 1.0),
-        poll_s=number("pollS", 1.0, 0.05, 1.0),
-        upstream_timeout_s=number("upstreamTimeoutS", 600.0, 1, 86400),
-        kv_transfer_params=bool(data.get("kvTransferParams", False)),
-        placement=str(data.get("placement", "conversation")),
-        batch_dir=data.get("batchDir") or None,
-        prefill_latency=prefill_latency,
-    )
-    if config.placement not in ("conversation", "turn", "request"):
-        problems.append(Problem("placement", f"must be conversation, turn or request, got {config.placement!r}"))
-    if problems:
-        raise InvalidInput(problems, source="router config")
-    return config
+        return RouterConfig.model_validate(data)
+    except ValidationError as error:
+        problems = [_problem(item) for item in error.errors(include_url=False)]
+        raise InvalidInput(problems, source="router config") from None
+
+
+def _problem(item: ErrorDetails) -> Problem:
+    loc = item["loc"]
+    secret = loc[:1] == ("tenants",)
+    if secret and len(loc) > 1:
+        # NOTE: a tenant's key is an API key: name at most its first six characters, anywhere.
+        path = format_path(loc[2:], prefix=f"tenants[{str(loc[1])[:6]}...]")
+    else:
+        path = format_path(loc)
+    if item["type"] == "extra_forbidden":
+        return Problem(path, _unknown_key(loc))
+    if item["type"] == "missing":
+        return Problem(path, "required field is missing")
+    message = str(item["msg"]).removeprefix("Value error, ")
+    reason = f"{message[0].lower()}{message[1:]}"
+    # our own checks say what they got; pydantic's do not, and nothing under tenants is echoed
+    if item["type"] != "value_error" and not secret and not isinstance(item.get("input"), (dict, list)):
+        text = repr(item.get("input"))
+        reason += f" (got {text if len(text) <= _MAX_INPUT_REPR else text[: _MAX_INPUT_REPR - 3] + '...'})"
+    return Problem(path, reason)
+
+
+def _unknown_key(loc: tuple[str | int, ...]) -> str:
+    model: type[BaseModel] = PrefillLatency if loc[:-1] == ("prefillLatency",) else RouterConfig
+    known = [field.alias or name for name, field in model.model_fields.items()]
+    by_lower = {key.lower(): key for key in known}
+    key = str(loc[-1]).lower()
+    close = [by_lower[key]] if key in by_lower else [by_lower[k] for k in difflib.get_close_matches(key, by_lower, n=2)]
+    if close:
+        return f"unknown key; did you mean {' or '.join(close)}?"
+    return f"unknown key (known: {', '.join(known)})"
