@@ -32,4 +32,4 @@ class EngineProfile(ApiModel):
     decode_throughput_tokens_per_s: float | None = Field(default=None, ge=0.001, le=1e9)
     kv_capacity_tokens: int | None = Field(default=None, ge=1, le=1_000_000_000_000)
     live_context_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
-    cost_model: dict[str, Any] | None = Field(default=None, description="step-latency cost model (the engine scheduler's).")
+    cost_model: dict[str, Any] | None = Field(default=None, description="the scheduler's step cost model.")
