@@ -50,10 +50,10 @@ from typing import Any
 
 import httpx
 from _harness import PairedOverhead, percentile, say, write_result
-from prometheus_client.parser import text_string_to_metric_families
 
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.engine.safepoint import SafepointBoard, board_name
+from coserve.engine.safepoint import safepoint_counters as read_safepoint_counters
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 
 CLASSES = [
@@ -224,12 +224,7 @@ def block_step_time(board: SafepointBoard, steps: int) -> float:
 
 def safepoint_counters(base: str) -> tuple[float, float]:
     """The engine's ``coserve:safepoint_seconds_total`` and ``coserve:safepoint_steps_total``."""
-    values = {"coserve:safepoint_seconds_total": 0.0, "coserve:safepoint_steps_total": 0.0}
-    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name in values:
-                values[sample.name] += sample.value
-    return values["coserve:safepoint_seconds_total"], values["coserve:safepoint_steps_total"]
+    return read_safepoint_counters(httpx.get(f"{base}/metrics", timeout=10).text)
 
 
 def steady_prefills(base: str, stop: threading.Event, seed: int) -> None:

@@ -37,7 +37,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -301,21 +301,34 @@ def test_an_urgent_arrival_preempts_an_offline_step_in_the_rendered_engine(rende
     assert board.num_preemptions > abandoned, "no worker abandoned a step"
 
 
+def arrivals_during_offline_steps(
+    rendered: RenderedEngine, tries: int, first_token: int, arrive: Callable[[int], httpx.Response]
+) -> list[httpx.Response]:
+    """``tries`` times: start a fresh 3000-token batch prefill, wait until its step is posted (in flight), then
+    send ``arrive(try)``; the arrivals' responses, then the batch requests'."""
+    board = rendered.board
+    assert board is not None
+    arrivals, batches = [], []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for attempt in range(tries):
+            background = pool.submit(rendered.complete, [first_token + attempt] * 3000, "batch", 2)
+            deadline = time.monotonic() + 5
+            while board.posted_step() is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            assert board.posted_step() is not None, "no step in flight to try to preempt"
+            arrivals.append(arrive(attempt))
+            batches.append(background.result())
+    return arrivals + batches
+
+
 def test_a_direct_client_claiming_the_top_class_cannot_preempt_the_rendered_engine(rendered: RenderedEngine) -> None:
     """The same arrival as above, without the router's token: served (at the lowest class), never an abort."""
     board = rendered.board
     assert board is not None
     aborts = board.num_abort_requests
-    responses = []
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for attempt in range(5):
-            background = pool.submit(rendered.complete, [700 + attempt] * 3000, "batch", 2)
-            deadline = time.monotonic() + 5
-            while board.posted_step() is None and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            assert board.posted_step() is not None, "no step in flight to try to preempt"
-            responses.append(rendered.complete([5, 6, 7, 9 + attempt], "premium", 2, via_router=False, ttft_slo_ms=1))
-            responses.append(background.result())
+    responses = arrivals_during_offline_steps(
+        rendered, 5, 700, lambda i: rendered.complete([5, 6, 7, 9 + i], "premium", 2, via_router=False, ttft_slo_ms=1)
+    )
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
     assert board.num_abort_requests == aborts, "a client without the router's token raised the abort flag"
 
@@ -331,16 +344,10 @@ def test_a_routed_request_vllm_rejects_cannot_preempt_the_rendered_engine(render
     extra = rendered.argv[rendered.argv.index("--max-model-len") + 1]
     too_long = [11] * (int(extra) + 1)
     aborts = board.num_abort_requests
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for attempt in range(3):
-            background = pool.submit(rendered.complete, [800 + attempt] * 3000, "batch", 2)
-            deadline = time.monotonic() + 5
-            while board.posted_step() is None and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            assert board.posted_step() is not None, "no step in flight to try to preempt"
-            rejected = rendered.complete(too_long, "premium", 2, ttft_slo_ms=1)
-            assert rejected.status_code == 400, rejected.text
-            assert background.result().status_code == 200
+    responses = arrivals_during_offline_steps(
+        rendered, 3, 800, lambda _: rendered.complete(too_long, "premium", 2, ttft_slo_ms=1)
+    )
+    assert [r.status_code for r in responses] == [400] * 3 + [200] * 3, [r.text for r in responses]
     assert board.num_abort_requests == aborts, "a request vLLM rejected raised the abort flag"
 
 

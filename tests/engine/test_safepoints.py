@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from coserve.engine.safepoint import SafepointBoard, board_name
+from coserve.engine.safepoint import safepoint_counters as read_safepoint_counters
 from engine_handle import Chaos, Engine
 
 pytestmark = pytest.mark.slow
@@ -79,13 +79,8 @@ def test_an_urgent_arrival_preempts_an_offline_step(engine: Engine) -> None:
 
 
 def safepoint_counters(base: str) -> tuple[float, float]:
-    """``coserve:safepoint_seconds_total`` and ``coserve:safepoint_steps_total`` from the engine's /metrics."""
-    values = {"coserve:safepoint_seconds_total": 0.0, "coserve:safepoint_steps_total": 0.0}
-    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name in values:
-                values[sample.name] += sample.value
-    return values["coserve:safepoint_seconds_total"], values["coserve:safepoint_steps_total"]
+    """The engine's ``coserve:safepoint_seconds_total`` and ``coserve:safepoint_steps_total``."""
+    return read_safepoint_counters(httpx.get(f"{base}/metrics", timeout=10).text)
 
 
 def wait_for_steps(base: str, above: float, timeout_s: float = 30) -> tuple[float, float]:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
-__all__ = ["BOARD_SIZE", "PostedStep", "SafepointBoard", "board_name"]
+__all__ = ["BOARD_SIZE", "PostedStep", "SafepointBoard", "board_name", "safepoint_counters"]
 
 # Offsets of the 8-byte words.
 _ABORT_STEP = 0
@@ -233,3 +233,16 @@ class SafepointBoard:
 
     def _put_float(self, offset: int, value: float) -> None:
         struct.pack_into("<d", self._buffer, offset, value)
+
+
+def safepoint_counters(metrics_text: str) -> tuple[float, float]:
+    """``coserve:safepoint_seconds_total`` and ``coserve:safepoint_steps_total`` from an engine's /metrics
+    text (benchmarks and tests read the time workers spend at safepoints per step with it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {"coserve:safepoint_seconds_total": 0.0, "coserve:safepoint_steps_total": 0.0}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name] += sample.value
+    return values["coserve:safepoint_seconds_total"], values["coserve:safepoint_steps_total"]
