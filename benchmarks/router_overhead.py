@@ -184,6 +184,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--replicas", type=int, default=2, help="router replicas (default 2, the chart's)")
+    parser.add_argument("--turns", type=int, default=TURNS, help=f"turns per conversation (default {TURNS})")
     parser.add_argument(
         "--shared-cores",
         action="store_true",
@@ -191,6 +192,7 @@ def main() -> int:
     )
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    globals()["TURNS"] = args.turns
     cores = sorted(os.sched_getaffinity(0))
     pinned = not args.shared_cores and len(cores) >= 2
     client_cores, router_cores = ({cores[0]}, set(cores[1:])) if pinned else (set(cores), set(cores))
@@ -271,7 +273,7 @@ def main() -> int:
                 "seconds": args.seconds,
                 "concurrency": args.concurrency,
                 "router_replicas": args.replicas,
-                "workload": f"chat conversations of {TURNS} turns, each turn to the next replica in turn",
+                "workload": f"chat conversations of {args.turns} turns, each turn to the next replica in turn",
                 "machine": (
                     f"{len(cores)} cores, loopback; "
                     + (
