@@ -7,8 +7,9 @@ defaults filled in, and (in a raw LIST) items without ``apiVersion`` or ``kind``
 A reconcile of those must decide nothing; it once patched all seven children on
 every resync. The negative tests change the recordings to show the check can fail.
 
-The recordings predate the pool's router-token Secret and engine NetworkPolicy and the
-token's mount in the pods: ``upgraded`` applies what this version adds to them once, as the
+The recordings predate the pool's router-token Secret, engine NetworkPolicy and router
+identity (ServiceAccount, Role, RoleBinding for its batch Leases), the token's mount in the pods
+and the router's batch lock setting: ``upgraded`` applies what this version adds to them once, as the
 server would store it (a merge patch; quantities as strings; false booleans left out), and
 checks that an upgrade is exactly that. The world after the upgrade must then decide nothing.
 """
@@ -126,9 +127,10 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-# What this version adds to what the recorded version created: two children, and the token in three pod templates.
-UPGRADE_CREATES = {"Secret", "NetworkPolicy"}
-UPGRADE_PATCHES = {"Deployment"}
+# What this version adds to what the recorded version created: five children, the token in three pod templates,
+# the router's ServiceAccount and namespace, and its batch lock in router.json.
+UPGRADE_CREATES = {"Secret", "NetworkPolicy", "ServiceAccount", "Role", "RoleBinding"}
+UPGRADE_PATCHES = {"Deployment", "ConfigMap"}
 
 
 def upgraded(namespace: str, name: str, observed: Observed) -> Observed:

@@ -68,6 +68,9 @@ def test_a_new_pool_creates_every_child_and_reports_progress() -> None:
         ("create", "Service", "chat-decoder"),
         ("create", "Secret", "chat-router-token"),
         ("create", "NetworkPolicy", "chat-engines"),
+        ("create", "ServiceAccount", "chat-router"),
+        ("create", "Role", "chat-router"),
+        ("create", "RoleBinding", "chat-router"),
     ]
     for action in result.actions:
         (owner,) = action.body["metadata"]["ownerReferences"]
@@ -253,7 +256,7 @@ def test_status_written_by_others_does_not_break_a_reconcile() -> None:
     body = pool()
     body["status"] = {"kopf": {"progress": {}}, "conditions": [{"type": "Bogus"}], "plan": "not a plan"}
     result = reconcile(body, {}, NOW)
-    assert result.plan_valid and len(result.actions) == 9
+    assert result.plan_valid and len(result.actions) == 12
     assert "kopf" not in result.status
 
 

@@ -42,6 +42,9 @@ EXPECTED_ORDER = [
     ("Service", "chat-decoder"),
     ("Secret", "chat-router-token"),
     ("NetworkPolicy", "chat-engines"),
+    ("ServiceAccount", "chat-router"),
+    ("Role", "chat-router"),
+    ("RoleBinding", "chat-router"),
 ]
 
 
@@ -100,7 +103,8 @@ def test_children_have_the_documented_kinds_names_and_order() -> None:
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == EXPECTED_ORDER
     assert child_keys("chat") == EXPECTED_ORDER  # what the operator reads before each reconcile
     assert [c["apiVersion"] for c in children] == [
-        "v1", "apps/v1", "apps/v1", "apps/v1", "v1", "v1", "v1", "v1", "networking.k8s.io/v1"
+        "v1", "apps/v1", "apps/v1", "apps/v1", "v1", "v1", "v1", "v1", "networking.k8s.io/v1", "v1",
+        "rbac.authorization.k8s.io/v1", "rbac.authorization.k8s.io/v1"
     ]  # fmt: skip
 
 
@@ -126,7 +130,7 @@ def test_every_object_carries_the_labels_and_the_pool_namespace(namespace: str |
     children = render(document)
 
     components = ["config", "prefiller", "decoder", "router", "router", "prefiller", "decoder", "router-token",
-                  "engines"]  # fmt: skip
+                  "engines", "router", "router", "router"]  # fmt: skip
     for child, component in zip(children, components, strict=True):
         assert child["metadata"]["labels"] == {
             "app.kubernetes.io/name": "coserve",
@@ -272,6 +276,7 @@ def test_config_map_holds_engine_and_router_config() -> None:
         "priorityClasses": engine["priorityClasses"],
         "offline": engine["offline"],
         "batchDir": "/var/lib/coserve/batches",
+        "batchLock": "lease",
         "prefillLatency": engine["prefillLatency"],  # the router avoids prefillers that would miss a TTFT SLO
     }
 
@@ -586,7 +591,11 @@ def test_router_runs_coserve_router_with_restricted_security() -> None:
     # the router proves itself to the engines with the pool's token
     assert {"name": "router-token", "secret": {"secretName": "chat-router-token"}} in pod["volumes"]
     assert {"name": "router-token", "mountPath": "/etc/coserve-token", "readOnly": True} in router["volumeMounts"]
-    assert router["env"] == [{"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"}]
+    assert router["env"] == [
+        {"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    assert pod["serviceAccountName"] == "chat-router"  # its Role: the Leases that run each batch once
 
 
 def test_offline_batches_live_on_the_named_claim() -> None:
@@ -728,3 +737,16 @@ def test_every_rendered_child_is_valid_for_the_kubernetes_api_schema(path: Path)
     pool, plan = load_example(path)
     for child in build_children(pool, plan):
         kubernetes_validate.validate(child, "1.35.0", strict=True)  # the recorded API server's version
+
+
+def test_the_router_may_hold_batch_leases_and_nothing_else() -> None:
+    """The router's ServiceAccount is bound to a Role on Leases only, in the pool's namespace."""
+    children = {(c["kind"], c["metadata"]["name"]): c for c in render(make_pool())}
+    role = children[("Role", "chat-router")]
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]}
+    ]
+    binding = children[("RoleBinding", "chat-router")]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "chat-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "serving"}]
+    assert ("ServiceAccount", "chat-router") in children

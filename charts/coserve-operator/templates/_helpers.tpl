@@ -50,6 +50,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# each pool's router identity: a ServiceAccount, and a Role (with its binding) on the Leases that make one
+# replica run each offline batch; RBAC lets the operator grant only what it holds, hence the leases rule
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["get", "create", "patch"]
 # a repeated Event is counted on one object (get, patch) instead of posted anew
 - apiGroups: [""]
   resources: ["events"]

@@ -454,6 +454,9 @@ def build_registry(
         "ConfigMap": ("", "configmaps"),
         "Secret": ("", "secrets"),
         "NetworkPolicy": ("networking.k8s.io", "networkpolicies"),
+        "ServiceAccount": ("", "serviceaccounts"),
+        "Role": ("rbac.authorization.k8s.io", "roles"),
+        "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"),
     }
     for kind in child_kinds:
         group, plural = watched[kind]

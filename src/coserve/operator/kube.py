@@ -50,8 +50,9 @@ from lightkube.core.exceptions import ApiError, ConfigError
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import ConfigMap, Event, Secret, Service
+from lightkube.resources.core_v1 import ConfigMap, Event, Secret, Service, ServiceAccount
 from lightkube.resources.networking_v1 import NetworkPolicy
+from lightkube.resources.rbac_authorization_v1 import Role, RoleBinding
 from lightkube.types import PatchType
 
 __all__ = [
@@ -80,6 +81,9 @@ RESOURCES: dict[str, Any] = {
     "Lease": Lease,
     "Secret": Secret,
     "NetworkPolicy": NetworkPolicy,
+    "ServiceAccount": ServiceAccount,
+    "Role": Role,
+    "RoleBinding": RoleBinding,
     "CoServePool": CoServePoolResource,
 }
 

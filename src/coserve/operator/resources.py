@@ -156,6 +156,7 @@ def build_children(pool: CoServePool, plan: Plan, *, operator_image_tag: str | N
         _engine_service(pool, "decoder"),
         _token_secret(pool),
         _engine_network_policy(pool),
+        *_router_identity(pool),
     ]
     return [_without_none(child) for child in children]
 
@@ -174,6 +175,9 @@ CHILDREN: tuple[tuple[str, Component], ...] = (
     ("Service", "decoder"),
     ("Secret", "router-token"),
     ("NetworkPolicy", "engines"),
+    ("ServiceAccount", "router"),
+    ("Role", "router"),
+    ("RoleBinding", "router"),
 )
 
 
@@ -269,6 +273,8 @@ def router_config(pool: CoServePool) -> dict[str, Any]:
         "priorityClasses": [cls.to_wire() for cls in spec.priority_classes],
         "offline": spec.offline.to_wire(),
         "batchDir": ROUTER_BATCH_PATH,
+        # router replicas run each offline batch once by holding a Lease per batch (the router's own Role)
+        "batchLock": "lease",
         **({"prefillLatency": spec.profile.prefill_latency.to_wire()} if spec.profile.prefill_latency else {}),
     }
 
@@ -531,7 +537,10 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "name": ROUTER_CONTAINER,
         "image": image,
         "command": ["coserve", "router", "--config", ROUTER_CONFIG_PATH, "--port", str(ROUTER_PORT)],
-        "env": [_token_env()],
+        "env": [
+            _token_env(),
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        ],
         "ports": [{"name": PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         # Liveness: the process serves. Readiness: it can place a request (a healthy decoder below full), so
         # while engines load (minutes on GPUs) the router is left alive and simply gets no traffic.
@@ -561,6 +570,7 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         else {"name": "batches", "emptyDir": {}}
     )
     pod_spec = {
+        "serviceAccountName": child_name(pool.metadata.name, "router"),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": ROUTER_USER_ID,
@@ -577,6 +587,34 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "prometheus.io/path": "/metrics",
     }
     return _deployment(pool, "router", router.replicas, annotations, pod_spec)
+
+
+# --- the router's identity: the Leases it runs offline batches under ---------------------------
+
+
+def _router_identity(pool: CoServePool) -> list[Manifest]:
+    """A ServiceAccount for the router pods, and a Role (bound to it) on the Leases that make each offline
+    batch run on one replica at a time: create any, read and renew them (names are per batch)."""
+    name = child_name(pool.metadata.name, "router")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(pool, "router")},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(pool, "router"),
+            "rules": [
+                {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]}
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(pool, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            # the same "default" as engine_service_host when a rendered pool names no namespace
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.metadata.namespace or "default"}],
+        },
+    ]
 
 
 # --- the router token and who may reach the engines ---------------------------------------------
