@@ -5,7 +5,7 @@ kubeconfig pointing at kmock's Kubernetes emulator, served over HTTP by a third
 process (in the benchmark's own process the poller slowed it down). For each
 pool, the clock runs from the create request to the moment its status holds
 the plan (the operator writes it after creating the children; that all
-nine exist is checked once the pools are done), polled every 10 ms.
+twelve exist is checked once the pools are done), polled every 10 ms.
 
 - 1 pool at a time, ``--single`` times: p50/p99;
 - ``--burst`` pools created at once: p50/p99 and the last one;
@@ -16,7 +16,7 @@ nine exist is checked once the pools are done), polled every 10 ms.
   writes and zero Events per converged pool.
 
 Baseline, in the same run and against the same emulator: a cacheless
-controller without kopf (GET the pool, GET nine children, create nine, PATCH
+controller without kopf (GET the pool, GET twelve children, create twelve, PATCH
 the status: 20 requests per pool), timed the same way. The operator reads a
 watch-fed cache instead, so it needs fewer requests; the JSON records how many
 it sent per pool during the burst (watches aside). Target: p99 under 1 s for one
@@ -77,6 +77,9 @@ PATHS = {
     "Secret": ("/api/v1", "secrets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
 }
 
 
@@ -121,6 +124,9 @@ def declare(emulator: kmock.KubernetesEmulator) -> None:
     add("v1/configmaps", "ConfigMap")
     add("v1/secrets", "Secret")
     add("networking.k8s.io/v1/networkpolicies", "NetworkPolicy")
+    add("v1/serviceaccounts", "ServiceAccount")
+    add("rbac.authorization.k8s.io/v1/roles", "Role")
+    add("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding")
     add("v1/events", "Event")
     add("coordination.k8s.io/v1/leases", "Lease")
     add("v1/namespaces", "Namespace", namespaced=False)
@@ -223,7 +229,7 @@ async def create_and_time(client: httpx.AsyncClient, names: list[str]) -> list[f
 
 
 async def baseline(client: httpx.AsyncClient, names: list[str]) -> list[float]:
-    """A cacheless controller without kopf: per pool, GET it and its nine children, create nine, PATCH status.
+    """A cacheless controller without kopf: per pool, GET it and its twelve children, create twelve, PATCH status.
 
     Twenty requests per pool, with nothing of kopf's in the way: what a
     reconcile that reads the API server instead of a watch cache costs.
