@@ -42,6 +42,9 @@ CHILDREN = [
     ("service", f"{POOL}-decoder"),
     ("secret", f"{POOL}-router-token"),
     ("networkpolicy", f"{POOL}-engines"),
+    ("serviceaccount", f"{POOL}-router"),
+    ("role", f"{POOL}-router"),
+    ("rolebinding", f"{POOL}-router"),
 ]
 
 
@@ -118,7 +121,7 @@ def pool(kubectl: Kubectl, namespace: str, operator: None) -> Iterator[dict[str,
 
 
 def test_the_pool_converges_to_its_plan(kubectl: Kubectl, namespace: str, pool: dict[str, Any]) -> None:
-    wait_until(lambda: all(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "the seven children", 120)
+    wait_until(lambda: all(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "every child", 120)
     body = get_json(kubectl, namespace, "coservepool", POOL)
     assert body is not None
     for kind, name in CHILDREN:
@@ -220,7 +223,7 @@ def test_an_owned_field_edited_by_hand_is_put_back_and_others_fields_are_kept(
 def test_deleting_the_pool_garbage_collects_its_children(
     kubectl: Kubectl, namespace: str, pool: dict[str, Any]
 ) -> None:
-    wait_until(lambda: all(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "the seven children", 120)
+    wait_until(lambda: all(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "every child", 120)
     kubectl("delete", "coservepool", POOL, "-n", namespace, "--wait=true", "--timeout=60s")
     wait_until(lambda: not any(get_json(kubectl, namespace, k, n) for k, n in CHILDREN), "garbage collection", 120)
 
