@@ -125,16 +125,16 @@ async def one(session: aiohttp.ClientSession, bases: list[str], index: int) -> f
     return time.perf_counter() - started
 
 
-async def open_loop(base: list[str], rate: float, seconds: float, seed: int) -> list[float]:
+async def open_loop(base: list[str], rate: float, seconds: float, seed: int, first: int = 0) -> list[float]:
     rng = random.Random(seed)
     latencies: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for index in range(10**7, 10**7 + 50):  # warm up connections (conversations of their own)
+        for index in range(10**7 + first, 10**7 + first + 50):  # warm up connections (conversations of their own)
             await one(session, base, index)
         tasks = []
         start = time.perf_counter()
         at = 0.0
-        index = 0
+        index = first
         while at < seconds:
             delay = start + at - time.perf_counter()
             if delay > 0:
@@ -178,6 +178,85 @@ async def measure(args: argparse.Namespace, upstream: str, routers: list[str]) -
     return {"direct": direct, "routed": routed, "direct_rps": direct_rps, "routed_rps": routed_rps}
 
 
+async def preload(base: list[str], first: int, count: int, concurrency: int = 64) -> None:
+    """``count`` new conversations (turn 1 each, so each leaves a pin), as fast as the router takes them."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        queue = iter(range(first, first + count))
+
+        async def client() -> None:
+            for index in queue:
+                await one(session, base, index)
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure_pins(args: argparse.Namespace, upstream: str, router: str, router_pid: int) -> dict[str, Any]:
+    """Idle CPU and added latency with 1k, 10k and 100k live pins in one router (each turn a new conversation)."""
+    async with aiohttp.ClientSession() as session:
+        await wait_ready(session, f"{upstream}/metrics")
+        await wait_ready(session, f"{router}/ready")
+    rates = (100.0, 500.0)
+    direct = {rate: await open_loop([upstream], rate, args.seconds, 1, first=5 * 10**8) for rate in rates}
+    rows, pinned, fresh = [], 0, 10**6
+    for level in args.pins:
+        say(f"pins: filling the router to {level} live conversations")
+        await preload([router], fresh, level - pinned)
+        fresh, pinned = fresh + level - pinned, level
+        await asyncio.sleep(2)  # let a poll run with the full table
+        before, started = cpu_seconds(router_pid), time.perf_counter()
+        await asyncio.sleep(args.seconds)
+        idle = (cpu_seconds(router_pid) - before) / (time.perf_counter() - started)
+        row: dict[str, Any] = {"pins": level, "idle_cpu_s_per_s": idle}
+        for rate in rates:
+            routed = await open_loop([router], rate, args.seconds, 1, first=fresh)
+            fresh += len(routed) + 50
+            row[f"added_p50_s_at_{rate:.0f}"] = percentile(routed, 50) - percentile(direct[rate], 50)
+            row[f"added_p99_s_at_{rate:.0f}"] = percentile(routed, 99) - percentile(direct[rate], 99)
+            row[f"samples_at_{rate:.0f}"] = len(routed)
+        rows.append(row)
+        added = row["added_p99_s_at_500"] * 1000
+        say(f"pins {level}: idle CPU {idle * 1000:.1f} ms/s; added p99 {added:.2f} ms at 500/s")
+    return {"rows": rows, "direct_p99_s": {str(r): percentile(v, 99) for r, v in direct.items()}}
+
+
+def write_pins(measured: dict[str, Any], args: argparse.Namespace) -> None:
+    rows = measured["rows"]
+    print(
+        f"\n{'live pins':>10}{'idle CPU ms/s':>15}{'p50+ @100':>11}{'p99+ @100':>11}{'p50+ @500':>11}{'p99+ @500':>11}"
+    )
+    for row in rows:
+        print(f"{row['pins']:>10}{row['idle_cpu_s_per_s'] * 1000:15.1f}"
+              + "".join(f"{row[k] * 1000:11.2f}" for k in ("added_p50_s_at_100", "added_p99_s_at_100",
+                                                           "added_p50_s_at_500", "added_p99_s_at_500")))  # fmt: skip
+    low, high = rows[0], rows[-1]
+    routed_p99 = {r: high[f"added_p99_s_at_{r}"] + measured["direct_p99_s"][f"{r}.0"] for r in ("100", "500")}
+    base_p99 = {r: low[f"added_p99_s_at_{r}"] + measured["direct_p99_s"][f"{r}.0"] for r in ("100", "500")}
+    ratio = {r: routed_p99[r] / base_p99[r] for r in routed_p99}
+    path = write_result(
+        "router_pins",
+        {
+            "benchmark": "router_pins",
+            "target": f"router p99 at {high['pins']} live pins within 1.2x of its p99 at {low['pins']}, "
+            "at 100 and 500 requests/s",
+            "met": all(value <= 1.2 for value in ratio.values()),
+            "p99_ratio_most_over_fewest_pins": ratio,
+            "rows": rows,
+            "baseline": {
+                "name": "the same router at the fewest pins; direct to the upstream for added latency",
+                "direct_p99_s": measured["direct_p99_s"],
+            },
+            "setup": {"seconds": args.seconds, "replicas": 1, "router_core": "its own", "workload": "new chats"},
+        },
+    )
+    say(f"wrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=500.0)
@@ -186,12 +265,17 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=2, help="router replicas (default 2, the chart's)")
     parser.add_argument("--turns", type=int, default=TURNS, help=f"turns per conversation (default {TURNS})")
     parser.add_argument(
+        "--pins", type=int, nargs="+", help="instead: idle CPU and added latency at these live pin counts (one replica)"
+    )
+    parser.add_argument(
         "--shared-cores",
         action="store_true",
         help="let the three processes share every core (default: the router on its own core)",
     )
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pins:
+        args.replicas, args.turns = 1, 1
     globals()["TURNS"] = args.turns
     cores = sorted(os.sched_getaffinity(0))
     pinned = not args.shared_cores and len(cores) >= 2
@@ -207,7 +291,7 @@ def main() -> int:
     upstream = f"http://127.0.0.1:{up_port}"
     routers = [f"http://127.0.0.1:{port}" for port in router_ports]
     config = workdir / "router.json"
-    config.write_text(json.dumps({"model": "tiny", "decoders": [upstream], "pollS": 1.0}))
+    config.write_text(json.dumps({"model": "tiny", "decoders": [upstream], "pollS": 1.0, "maxPins": 200_000}))
     processes = [
         subprocess.Popen(  # noqa: S603 - this script
             [sys.executable, __file__, "--serve-upstream", str(up_port)],
@@ -235,6 +319,9 @@ def main() -> int:
         )
     os.sched_setaffinity(0, client_cores)
     try:
+        if args.pins:
+            write_pins(asyncio.run(measure_pins(args, upstream, routers[0], processes[1].pid)), args)
+            return 0
         measured = asyncio.run(measure(args, upstream, routers))
     finally:
         for process in processes:
