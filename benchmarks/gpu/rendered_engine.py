@@ -35,13 +35,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from coserve.engine.launch import engine_healthy
 from coserve.engine.safepoint import SafepointBoard
 from coserve.engine.validation import ROUTER_TOKEN_FILE_ENV
 
@@ -273,11 +272,7 @@ class GPUEngine:
         self._process = None
 
     def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base}/health", timeout=2) as response:  # noqa: S310 - loopback
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return engine_healthy(self.base)
 
     def log_tail(self, num_chars: int = 6000) -> str:
         try:

@@ -35,8 +35,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +44,7 @@ import httpx
 import pytest
 import yaml
 
+from coserve.engine.launch import engine_healthy
 from coserve.engine.safepoint import SafepointBoard
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 from engine_handle import Chaos
@@ -199,11 +198,7 @@ class RenderedEngine:
         return self
 
     def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base}/health", timeout=2) as response:  # noqa: S310 - loopback
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return engine_healthy(self.base)
 
     def __exit__(self, *exc: object) -> None:
         if self.process is not None and self.process.poll() is None:

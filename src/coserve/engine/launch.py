@@ -45,6 +45,15 @@ class EngineSettings:
     served_model_name: str = "tiny"
 
 
+def engine_healthy(base: str) -> bool:
+    """Whether the vLLM server at ``base`` answers ``GET /health`` with 200 (used while it starts)."""
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as response:  # noqa: S310 - loopback
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -136,11 +145,7 @@ class EngineServer:
         return self
 
     def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base}/health", timeout=2) as response:  # noqa: S310 - loopback
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return engine_healthy(self.base)
 
     def log_tail(self, num_chars: int = 4000) -> str:
         try:
