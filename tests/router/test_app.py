@@ -108,6 +108,22 @@ def test_a_dead_decoder_re_places_the_conversation_and_loses_no_request(pool: di
     assert "coserve_router_replacements_total 1.0" in httpx.get(f"{pool['router']}/metrics").text
 
 
+def test_liveness_is_the_process_serving_and_readiness_a_decoder_that_can_take_a_request(
+    pool: dict[str, Any],
+) -> None:
+    """The probes the operator renders: /live stays 200 while no decoder is left (the kubelet must not restart
+    a router that waits for engines); /ready turns 503 once the poller has marked every decoder down."""
+    assert httpx.get(f"{pool['router']}/live").status_code == 200
+    assert httpx.get(f"{pool['router']}/ready").status_code == 200
+    for decoder in pool["decoders"]:
+        decoder.served.stop()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{pool['router']}/ready").status_code != 503:
+        assert time.monotonic() < deadline, "/ready never noticed that no decoder is left"
+        time.sleep(0.05)
+    assert httpx.get(f"{pool['router']}/live").status_code == 200
+
+
 def test_no_decoder_left_is_a_clear_5xx(pool: dict[str, Any]) -> None:
     for decoder in pool["decoders"]:
         decoder.served.stop()
