@@ -9,6 +9,7 @@ what its client saw, with arrival = the moment the client sent it.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import csv
 import json
@@ -21,11 +22,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+from measured_paths import MEASURED
 
 from coserve.engine.profiler import default_model_cache
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
@@ -95,21 +98,68 @@ class TraceRow:
     generated_tokens: int
 
 
+TRACE_FORMATS = "an Azure LLM inference CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or a Mooncake JSONL trace"
+
+
+def load_trace(path: Path) -> list[TraceRow]:
+    """Any trace in the formats of ``../shared/traces/README.md``: arrival offsets (s) and token counts.
+
+    Azure CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``) or Mooncake JSONL
+    (``timestamp`` in ms, ``input_length``, ``output_length``), told apart by content,
+    sorted by arrival, offsets from the first arrival. A file that is neither is a clear error.
+    """
+    if not path.exists():
+        raise SystemExit(f"trace not found: {path} (the benchmarks replay ../shared/traces by default)")
+    with path.open() as handle:
+        first = handle.readline().strip()
+        handle.seek(0)
+        if first.startswith("{"):
+            lines = enumerate(handle, 1)
+            rows = [_mooncake_row(json.loads(line), path, number) for number, line in lines if line.strip()]
+        elif first.replace(" ", "").startswith("TIMESTAMP,ContextTokens,GeneratedTokens"):
+            rows = [_azure_row(row, path) for row in csv.DictReader(handle)]
+        else:
+            raise SystemExit(f"{path}: not a trace this harness reads; expected {TRACE_FORMATS}")
+    if not rows:
+        raise SystemExit(f"{path}: the trace has no requests")
+    rows.sort(key=lambda row: row.offset_s)
+    origin = rows[0].offset_s
+    return [TraceRow(row.offset_s - origin, row.context_tokens, row.generated_tokens) for row in rows]
+
+
+def _azure_row(row: dict[str, str], path: Path) -> TraceRow:
+    try:
+        stamp = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])  # "2023-11-16 18:15:46.6805900"
+        return TraceRow(stamp.timestamp(), int(row["ContextTokens"]), int(row["GeneratedTokens"]))
+    except (KeyError, ValueError) as error:
+        raise SystemExit(f"{path}: bad Azure row {row!r}: {error}") from None
+
+
+def _mooncake_row(row: dict[str, Any], path: Path, number: int) -> TraceRow:
+    try:
+        return TraceRow(float(row["timestamp"]) / 1000.0, int(row["input_length"]), int(row["output_length"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise SystemExit(f"{path}:{number}: bad Mooncake row: {error}") from None
+
+
 def azure_conversation_trace() -> list[TraceRow]:
     """The Azure LLM inference trace (conversation), 2023: arrival offsets and token counts."""
-    if not AZURE_CONV.exists():
-        raise SystemExit(f"trace not found: {AZURE_CONV} (the benchmarks replay ../shared/traces)")
-    rows: list[TraceRow] = []
-    start = None
-    with AZURE_CONV.open() as handle:
-        for row in csv.DictReader(handle):
-            stamp = row["TIMESTAMP"]
-            # "2023-11-16 18:15:46.6805900": seconds within the day are enough (the trace spans one hour)
-            hours, minutes, seconds = stamp.split(" ")[1].split(":")
-            t = int(hours) * 3600 + int(minutes) * 60 + float(seconds)
-            start = t if start is None else start
-            rows.append(TraceRow(t - start, int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-    return rows
+    return load_trace(AZURE_CONV)
+
+
+def add_trace_argument(parser: argparse.ArgumentParser, default: Path = AZURE_CONV) -> None:
+    """``--trace FILE`` for a trace-driven benchmark (results name the trace they replayed)."""
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=default,
+        help=f"the trace to replay: {TRACE_FORMATS} (default: ../shared/traces/{default.name})",
+    )
+
+
+def trace_label(path: Path) -> str:
+    """How a result names its trace: the file name, and the path when it is not one of the shared traces."""
+    return path.name if path.resolve().parent == TRACES.resolve() else str(path)
 
 
 @dataclass
@@ -218,6 +268,17 @@ def percentile(values: Iterable[float], q: float) -> float:
     return ordered[index]
 
 
+# The fewest observations a percentile is reported from (p99 from 200, p95 from 100, p90 from 50, p50 from 10).
+MIN_SAMPLES = {99: 200, 95: 100, 90: 50, 50: 10}
+
+
+def reportable_percentile(values: Sequence[float], q: int) -> float | None:
+    """The ``q``-th percentile, or ``None`` when ``values`` are too few to support it (``MIN_SAMPLES``)."""
+    if len(values) < MIN_SAMPLES[q]:
+        return None
+    return percentile(values, q)
+
+
 def class_report(outcomes: Sequence[Outcome], classes: ClassRegistry) -> dict[str, dict[str, Any]]:
     """Per class: requests, failures, SLO attainment, TDG gain earned/possible, TTFT and TPOT percentiles."""
     report: dict[str, dict[str, Any]] = {}
@@ -245,10 +306,14 @@ def class_report(outcomes: Sequence[Outcome], classes: ClassRegistry) -> dict[st
             "gain": earned,
             "possible_gain": possible,
             "output_tokens": sum(len(o.token_times) for o in ok),
-            "ttft_p50_s": percentile(ttfts, 50),
-            "ttft_p99_s": percentile(ttfts, 99),
-            "tpot_p50_s": percentile(tpots, 50),
-            "tpot_p99_s": percentile(tpots, 99),
+            "n": len(ok),
+            # each percentile only from enough requests to support it (MIN_SAMPLES), else null
+            "ttft_p50_s": reportable_percentile(ttfts, 50),
+            "ttft_p95_s": reportable_percentile(ttfts, 95),
+            "ttft_p99_s": reportable_percentile(ttfts, 99),
+            "tpot_p50_s": reportable_percentile(tpots, 50),
+            "tpot_p95_s": reportable_percentile(tpots, 95),
+            "tpot_p99_s": reportable_percentile(tpots, 99),
         }
     return report
 
@@ -338,23 +403,43 @@ class PairedOverhead:
 
 
 def write_result(name: str, document: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json``, stamped with the commit it measured (a result older
-    than the code it describes shows itself: its ``commit`` is not the last one to touch that code),
-    the date and the machine's core count."""
+    """Write ``benchmarks/results/<name>.json``, stamped with the commit the run measured, the date and
+    the machine's core count.
+
+    ``commit`` is HEAD when this run started (``RUN_COMMIT``) with ``dirty``: the measured paths
+    (``measured_paths.MEASURED[name]``) that differed from HEAD then. A result measured on
+    uncommitted code, or older than a change to its paths, fails ``tests/benchmarks/test_results_fresh.py``.
+    """
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    stamped = {
-        **document,
-        "commit": code_version(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cpu_count": os.cpu_count(),
-    }
+    stamped = {**document, **stamp(name)}
     path.write_text(json.dumps(finite(stamped), indent=2, allow_nan=False) + "\n")
     return path
 
 
+def stamp(name: str) -> dict[str, Any]:
+    """What every result carries besides its figures: commit (with the measured paths that were dirty),
+    the paths it measures, the date and the machine's core count (also used by the GPU check)."""
+    if name not in MEASURED:
+        raise KeyError(f"{name}: list the paths it measures in benchmarks/measured_paths.py")
+    dirty = RUN_COMMIT["dirty"]
+    return {
+        "commit": {
+            "sha": RUN_COMMIT["sha"],
+            "dirty": None if dirty is None else sorted(f for f in dirty if _under(f, MEASURED[name])),
+        },
+        "measured_paths": list(MEASURED[name]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _under(path: str, roots: Sequence[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
 def code_version() -> dict[str, Any]:
-    """The checkout's HEAD and whether src/ or benchmarks/ differ from it (``None`` outside git)."""
+    """HEAD and the paths that differ from it (tracked and changed, or untracked); ``None`` outside git."""
     root = Path(__file__).resolve().parents[1]
     git = shutil.which("git")
     if git is None:
@@ -364,12 +449,17 @@ def code_version() -> dict[str, Any]:
             [git, "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         )
         status = subprocess.run(  # noqa: S603 - git, with fixed arguments
-            [git, "status", "--porcelain", "--", "src", "benchmarks/*.py", "benchmarks/gpu"],
+            [git, "status", "--porcelain", "--untracked-files=all", "--", "src", "benchmarks"],
             cwd=root, capture_output=True, text=True, check=True,
         )  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return {"sha": None, "dirty": None}
-    return {"sha": head.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    dirty = [line[3:].split(" -> ")[-1] for line in status.stdout.splitlines() if line.strip()]
+    return {"sha": head.stdout.strip(), "dirty": dirty}
+
+
+# The code a benchmark measures is the code it started with: taken when the benchmark imports the harness.
+RUN_COMMIT = code_version()
 
 
 def finite(document: Any) -> Any:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(BENCHMARKS))  # preemption.py and kv_offload.py import th
 
 import kv_offload  # noqa: E402
 import preemption  # noqa: E402
-from _harness import code_version, finite  # noqa: E402
+from _harness import finite, stamp  # noqa: E402
 
 from coserve.engine.profiler import default_model_cache  # noqa: E402
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
@@ -287,7 +287,7 @@ class Results:
     def _write(self, name: str, document: dict[str, Any]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / f"{name}_cuda.json"
-        text = json.dumps(finite({**document, "commit": code_version()}), indent=2, allow_nan=False) + "\n"
+        text = json.dumps(finite({**document, **stamp(f"{name}_cuda")}), indent=2, allow_nan=False) + "\n"
         if self.written.get(name) != text:
             path.write_text(text)
             self.written[name] = text

@@ -25,7 +25,12 @@ __all__ = ["EngineServer", "EngineSettings"]
 
 @dataclass
 class EngineSettings:
-    """What to start; ``coserve=False`` gives stock vLLM with the same model and limits (a baseline)."""
+    """What to start; ``coserve=False`` gives stock vLLM with the same model and limits (a baseline).
+
+    Stock means no coserve code in the engine at all: no scheduler, worker, connector or middleware
+    flags, no ``COSERVE_CONFIG``, and ``VLLM_PLUGINS`` set empty so vLLM loads no general plugin
+    (coserve's registers through an entry point whenever it is installed).
+    """
 
     model: Path
     workdir: Path
@@ -116,18 +121,27 @@ class EngineServer:
             ]
         return [*args, *s.extra_args]
 
+    def environment(self, config: Path) -> dict[str, str]:
+        """The server's environment: coserve's config file, or, for stock vLLM, no plugin at all."""
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_CI_ENV": "1",
+        }
+        if self.settings.coserve:
+            env["COSERVE_CONFIG"] = str(config)
+        else:
+            env.pop("COSERVE_CONFIG", None)
+            env["VLLM_PLUGINS"] = ""  # an empty allow-list: vLLM loads no general plugin
+        return env
+
     def __enter__(self) -> EngineServer:
         s = self.settings
         s.workdir.mkdir(parents=True, exist_ok=True)
         config = s.workdir / f"engine-{self.port}.json"
         config.write_text(json.dumps(s.engine_config))
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "COSERVE_CONFIG": str(config),
-            "VLLM_CPU_CI_ENV": "1",
-        }
+        env = self.environment(config)
         if s.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         with self.log_path.open("wb") as log:
