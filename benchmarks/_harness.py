@@ -83,6 +83,9 @@ def measured_cost_model(model: Path) -> dict[str, float]:
                 "-q",
             ],
             check=True,
+            # the same 1 GiB KV space the benchmark engines get (EngineServer): vLLM's CPU default reserves
+            # 92% of the node's memory and refuses to start when anything else holds a little of it
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
         )
     document = yaml.safe_load(path.read_text())
     cost = document.get("costModel")
