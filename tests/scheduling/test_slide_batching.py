@@ -166,6 +166,22 @@ def test_selection_stops_when_the_token_budget_is_spent() -> None:
     assert decision.selected_ids == {"first", "second"}
 
 
+def test_waiting_requests_are_selected_only_into_free_slots() -> None:
+    """With every running slot taken, an urgent arrival cannot start: the step runs the running requests
+    (selecting it anyway left the engine running nothing at all, step after step, at overload)."""
+    policy = SlideBatching(COST, SlideConfig(max_tokens_per_step=256, max_step_s=2.0))
+    running = [decoding(f"r{i}", "offline") for i in range(3)]
+    urgent = [make_request(f"u{i}", "interactive", prompt=200) for i in range(2)]
+    unlimited = policy.decide([*running, *urgent], now_s=0.0)
+    assert {"u0", "u1"} <= unlimited.selected_ids  # the urgent ones go first ...
+    full = policy.decide([*running, *urgent], now_s=0.0, free_slots=0)
+    assert full.selected_ids == {"r0", "r1", "r2"}  # ... but with no slot, only what runs can run
+    assert full.order[:2] == unlimited.order[:2]  # the order still says who comes first
+    one = policy.decide([*running, *urgent], now_s=0.0, free_slots=1)
+    assert len(one.selected_ids & {"u0", "u1"}) == 1
+    assert one.selected_ids & {"r0", "r1", "r2"}  # the budget the second one would have taken goes on
+
+
 def test_a_top_class_request_about_to_miss_its_deadline_runs_first() -> None:
     # 600 tokens of interactive prefill, 0.2 s before its deadline, under overload: it must run now. By
     # density alone the short standard prompts (one-token answers) would go first and it would miss.

@@ -76,6 +76,7 @@ class TDGScheduler(Scheduler):
         self._num_arrivals = 0
         self._hold_until = 0.0
         self._arrivals_at_abandon = 0
+        self._stalled = False  # the last policy-driven step scheduled nothing
         self.board: SafepointBoard | None = None
         coserve_connector = find_connector(self.connector)  # alone, or inside MultiConnector on GPUs
         if coserve_connector is not None:
@@ -108,7 +109,9 @@ class TDGScheduler(Scheduler):
             return super().schedule(throttle_prefills)
         now_s = time.time()
         running_ids = {r.request_id for r in self.running}
-        decision = self.policy_impl.decide([self._to_policy(r, r.request_id in running_ids) for r in candidates], now_s)
+        free_slots = max(self.max_num_running_reqs - len(self.running), 0)
+        policed = [self._to_policy(r, r.request_id in running_ids) for r in candidates]
+        decision = self.policy_impl.decide(policed, now_s, free_slots)
         rank = {request_id: index for index, request_id in enumerate(decision.order)}
 
         self.running.sort(key=lambda r: rank.get(r.request_id, len(rank)))
@@ -117,6 +120,11 @@ class TDGScheduler(Scheduler):
         self.waiting.extend(waiting)  # type: ignore[attr-defined]
 
         held = [r for r in self.running if r.request_id not in decision.selected_ids]
+        if self._stalled:
+            # NOTE: the last step ran nothing although requests were runnable (vLLM could not start the waiting
+            # ones the policy chose, e.g. for want of KV blocks, and the running ones were held); this step
+            # holds nothing back, so the engine always makes progress.
+            held = []
         if held:
             self.running = [r for r in self.running if r.request_id in decision.selected_ids]
         # vLLM serves running requests before waiting ones; capping each running request at the largest
@@ -138,6 +146,9 @@ class TDGScheduler(Scheduler):
             self.scheduler_config.long_prefill_token_threshold = threshold
             if held:
                 self.running.extend(held)
+        self._stalled = output.total_num_scheduled_tokens == 0
+        if self._stalled and held:
+            logger.warning("coserve: a step held %d running requests and ran nothing; holding none next", len(held))
         self._post_step(output, now_s)
         return output
 

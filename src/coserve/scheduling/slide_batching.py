@@ -110,8 +110,13 @@ class SlideBatching:
         # so even an online request that can earn nothing more goes before it.
         self.offline_rank = offline_rank
 
-    def decide(self, requests: Sequence[SchedRequest], now_s: float) -> StepDecision:
-        """Order ``requests`` for the next step; called once per engine step."""
+    def decide(self, requests: Sequence[SchedRequest], now_s: float, free_slots: int | None = None) -> StepDecision:
+        """Order ``requests`` for the next step; called once per engine step.
+
+        ``free_slots``: how many waiting requests the engine can start this step (its running-request cap
+        minus the requests running); ``None`` means no limit. A waiting request beyond them is not selected,
+        so the step is one the engine can run: with every slot taken, only running requests are.
+        """
         config = self.config
         if not requests:
             empty: frozenset[str] = frozenset()
@@ -194,7 +199,7 @@ class SlideBatching:
         )
         token_budget = min(max(token_budget, floor), config.max_tokens_per_step)
         promoted_cap = max(1, math.ceil(config.promoted_share * config.max_tokens_per_step))
-        allowances = _fill(ordered, token_budget, {s.request.request_id: promoted_cap for s in promoted})
+        allowances = _fill(ordered, token_budget, {s.request.request_id: promoted_cap for s in promoted}, free_slots)
         return StepDecision(
             order=tuple(s.request.request_id for s in ordered),
             selected_ids=frozenset(allowances),
@@ -229,17 +234,25 @@ class SlideBatching:
         return _Scored(request, work_tokens, work_s, slack_s, value, density)
 
 
-def _fill(ordered: Sequence[_Scored], token_budget: int, caps: dict[str, int]) -> dict[str, int]:
+def _fill(
+    ordered: Sequence[_Scored], token_budget: int, caps: dict[str, int], free_slots: int | None = None
+) -> dict[str, int]:
     """How many new tokens each request gets this step: walk ``ordered`` until the budget is spent.
 
     The last one may get only part of its prefill (a chunk), and so may a capped
-    (promoted) one; vLLM chunks them the same way.
+    (promoted) one; vLLM chunks them the same way. Waiting requests need one of
+    ``free_slots`` each (``None``: unlimited); past them, waiting requests are skipped.
     """
     allowances: dict[str, int] = {}
     left = token_budget
+    slots = free_slots
     for scored in ordered:
         if left <= 0:
             break
+        if not scored.request.is_running and slots is not None:
+            if slots <= 0:
+                continue  # NOTE: selected but unstartable, it would hold the budget and run nothing
+            slots -= 1
         take = min(scored.work_tokens, left, caps.get(scored.request.request_id, scored.work_tokens))
         allowances[scored.request.request_id] = take
         left -= take
