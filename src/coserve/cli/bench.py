@@ -18,12 +18,32 @@ from typing import Any
 
 from coserve.api.problems import InvalidInput, Problem
 
-__all__ = ["add_bench_command"]
+__all__ = ["add_bench_command", "add_workload_arguments", "check_workload", "workload_from"]
 
 DEFAULT_TRACES = {
     "mooncake": Path("../shared/traces/mooncake_conversation.jsonl"),
     "azure": Path("../shared/traces/azure_llm_2023_conv.csv"),
 }
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, conversations: int) -> None:
+    """The workload flags ``coserve bench`` and ``coserve simulate`` share (read by ``workload_from``)."""
+    parser.add_argument("--workload", choices=("agentic", "mooncake", "azure"), default="agentic")
+    parser.add_argument("--trace", metavar="FILE", help="the trace file (default: ../shared/traces/<the trace>)")
+    parser.add_argument(
+        "--conversations", type=int, default=conversations, help=f"conversations (default {conversations})"
+    )
+    parser.add_argument("--rate", type=float, default=0.5, help="agentic: conversations per second (default 0.5)")
+    parser.add_argument("--turns", type=int, default=3, help="agentic: turns per conversation (default 3)")
+    parser.add_argument("--first", type=int, default=512, help="agentic: tokens of turn 1 (default 512)")
+    parser.add_argument("--appended", type=int, default=64, help="agentic: tool-result tokens per turn (default 64)")
+    parser.add_argument("--answer", type=int, default=16, help="agentic: tokens per answer (default 16)")
+    parser.add_argument("--gap", type=float, default=1.0, help="agentic: tool-call gap, seconds (default 1)")
+    parser.add_argument("--speedup", type=float, default=1.0, help="traces: replay this many times faster")
+    parser.add_argument("--scale", type=float, default=1.0, help="traces: multiply every length by this")
+    parser.add_argument("--max-input", type=int, help="traces: cap each prompt at this many tokens")
+    parser.add_argument("--max-output", type=int, help="traces: cap each answer at this many tokens")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of generated tokens (default 0)")
 
 
 def add_bench_command(commands: Any) -> None:
@@ -39,20 +59,7 @@ def add_bench_command(commands: Any) -> None:
     bench.add_argument("--url", required=True, help="the endpoint, e.g. http://127.0.0.1:8080 (with or without /v1)")
     bench.add_argument("--model", help="model name (default: the first one /v1/models lists)")
     bench.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (a tenant key on coserve's router)")
-    bench.add_argument("--workload", choices=("agentic", "mooncake", "azure"), default="agentic")
-    bench.add_argument("--trace", metavar="FILE", help="the trace file (default: ../shared/traces/<the trace>)")
-    bench.add_argument("--conversations", type=int, default=8, help="conversations to send (default 8)")
-    bench.add_argument("--rate", type=float, default=0.5, help="agentic: conversations per second (default 0.5)")
-    bench.add_argument("--turns", type=int, default=3, help="agentic: turns per conversation (default 3)")
-    bench.add_argument("--first", type=int, default=512, help="agentic: tokens of turn 1 (default 512)")
-    bench.add_argument("--appended", type=int, default=64, help="agentic: tool-result tokens per turn (default 64)")
-    bench.add_argument("--answer", type=int, default=16, help="agentic: tokens per answer (default 16)")
-    bench.add_argument("--gap", type=float, default=1.0, help="agentic: tool-call gap, seconds (default 1)")
-    bench.add_argument("--speedup", type=float, default=1.0, help="traces: replay this many times faster")
-    bench.add_argument("--scale", type=float, default=1.0, help="traces: multiply every length by this")
-    bench.add_argument("--max-input", type=int, help="traces: cap each prompt at this many tokens")
-    bench.add_argument("--max-output", type=int, help="traces: cap each answer at this many tokens")
-    bench.add_argument("--seed", type=int, default=0, help="random seed of generated tokens (default 0)")
+    add_workload_arguments(bench, conversations=8)
     bench.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the endpoint")
     bench.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout, seconds (default 1800)")
     bench.add_argument("--ttft-p95-target", type=float, help="report met=false when p95 TTFT exceeds this (s)")
@@ -60,26 +67,36 @@ def add_bench_command(commands: Any) -> None:
     bench.set_defaults(handler=_cmd_bench)
 
 
-def _check(args: argparse.Namespace) -> list[Problem]:
+def check_workload(args: argparse.Namespace) -> list[Problem]:
+    """The shared workload flags' problems, each naming its flag."""
     problems = []
-    if not args.url.startswith(("http://", "https://")):
-        problems.append(Problem("--url", f"must be an http(s) URL, got {args.url!r}"))
     for flag, value in (("--conversations", args.conversations), ("--turns", args.turns), ("--first", args.first),
                         ("--answer", args.answer), ("--max-input", args.max_input),
                         ("--max-output", args.max_output)):  # fmt: skip
         if value is not None and value < 1:
             problems.append(Problem(flag, f"must be at least 1, got {value}"))
-    for flag, value in (("--rate", args.rate), ("--speedup", args.speedup), ("--scale", args.scale),
-                        ("--timeout", args.timeout)):  # fmt: skip
+    for flag, value in (("--rate", args.rate), ("--speedup", args.speedup), ("--scale", args.scale)):
         if not (value > 0 and math.isfinite(value)):
             problems.append(Problem(flag, f"must be a positive number, got {value}"))
-    for flag, value in (("--appended", args.appended), ("--gap", args.gap), ("--wait", args.wait)):
+    for flag, value in (("--appended", args.appended), ("--gap", args.gap)):
         if value < 0:
             problems.append(Problem(flag, f"must not be negative, got {value}"))
     return problems
 
 
-def _workload(args: argparse.Namespace) -> list[Any]:
+def _check(args: argparse.Namespace) -> list[Problem]:
+    problems = check_workload(args)
+    if not args.url.startswith(("http://", "https://")):
+        problems.insert(0, Problem("--url", f"must be an http(s) URL, got {args.url!r}"))
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        problems.append(Problem("--timeout", f"must be a positive number, got {args.timeout}"))
+    if args.wait < 0:
+        problems.append(Problem("--wait", f"must not be negative, got {args.wait}"))
+    return problems
+
+
+def workload_from(args: argparse.Namespace) -> list[Any]:
+    """The conversations the shared workload flags describe; ``InvalidInput`` for an unreadable trace."""
     from coserve.bench import workload
 
     if args.workload == "agentic":
@@ -106,7 +123,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidInput(problems, source="coserve bench")
     from coserve.bench.run import BenchError, Progress, discover_model, replay, write_report
 
-    conversations = _workload(args)
+    conversations = workload_from(args)
     if not conversations:
         raise InvalidInput([Problem("--trace", "the workload has no conversation")], source="coserve bench")
     turns = sum(len(c.turns) for c in conversations)

@@ -7,6 +7,7 @@
     coserve up FILE [--prefillers N] [--decoders N] [--port N] [--once]
     coserve router --config FILE
     coserve bench --url URL [--workload agentic|mooncake|azure] [...]
+    coserve simulate FILE [--profile FILE] [--workload ...] [--policy conversation|per-turn|per-request]
 
 Exit codes: 0 success, 2 invalid input or usage (one ``FILE: path: reason`` line
 per problem on stderr), 1 an internal error (one line, no traceback unless
@@ -37,6 +38,7 @@ from coserve.api.resource import CoServePool
 from coserve.api.status import Plan
 from coserve.cli.bench import add_bench_command
 from coserve.cli.manifest import load_pool, load_profile, read_file
+from coserve.cli.simulate import add_simulate_command
 from coserve.provisioning import plan_for
 
 if TYPE_CHECKING:
@@ -125,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_router_command(commands)
     _add_up_command(commands)
     add_bench_command(commands)
+    add_simulate_command(commands, _add_profile_option)
     return parser
 
 

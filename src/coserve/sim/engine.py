@@ -1,0 +1,212 @@
+"""One simulated vLLM engine: continuous batching whose every step SlideBatching decides.
+
+Who calls it: ``coserve.sim.pool`` creates one ``SimEngine`` per prefiller and
+decoder and ``submit``s requests to it; the engine runs as a simpy process on
+the pool's clock. Nothing here copies a policy: each step builds the same
+``SchedRequest`` views the TDG scheduler builds inside vLLM, asks
+``SlideBatching.decide`` (with the free running slots, as the scheduler does),
+and lasts what the step cost model predicts for the tokens it computes over the
+context it reads.
+
+What an engine models, as vLLM does:
+
+- a running set capped at ``max_num_seqs``; a waiting request starts only in a
+  free slot and when its KV fits (prompt + answer, minus the prefix it holds);
+- KV per engine in tokens: running requests hold what they computed plus what
+  they will write; a finished request's tokens stay cached for its conversation
+  (prefix caching) and are evicted least recently used when room is needed;
+- a request computes its prompt (less its cached prefix) in chunks, then one
+  token per step; a token is emitted at the end of the step that computes it.
+
+What it does not model: preemption of running requests for KV (admission is
+conservative instead), speculative decoding, CUDA graph padding, the API
+server's own latency.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from coserve.scheduling import SchedRequest, SlideBatching, StepCostModel
+from coserve.scheduling.requests import RequestClass
+
+if TYPE_CHECKING:
+    import simpy
+
+# a simpy process body: yields events, is resumed with their values
+Process = Generator[Any, Any, None]
+
+__all__ = ["SimEngine", "SimRequest"]
+
+
+@dataclass(eq=False)  # identity: the engine keys its step by request
+class SimRequest:
+    """One request as an engine sees it; the pool reads ``token_times`` when it is done."""
+
+    request_id: str
+    conversation_id: str
+    cls: RequestClass
+    arrival_s: float  # when the client sent it (deadlines count from here)
+    prompt_tokens: int
+    max_output_tokens: int
+    computed: int = 0  # tokens whose KV this engine holds (cached prefix included)
+    output: int = 0  # tokens emitted so far (on any engine)
+    token_times: list[float] = field(default_factory=list)
+    cached: int = 0  # of ``computed``, what the engine held before the request came
+
+    def view(self, running: bool) -> SchedRequest:
+        """The policy's view, as the TDG scheduler builds it from vLLM's request."""
+        return SchedRequest(
+            request_id=self.request_id,
+            cls=self.cls,
+            arrival_s=self.arrival_s,
+            ttft_slo_s=self.cls.ttft_slo_s,
+            tpot_slo_s=self.cls.tpot_slo_s,
+            num_prompt_tokens=self.prompt_tokens,
+            num_computed_tokens=self.computed,
+            num_output_tokens=self.output,
+            max_output_tokens=self.max_output_tokens,
+            is_running=running,
+        )
+
+    @property
+    def due(self) -> int:
+        """Tokens to compute before the next token can be emitted."""
+        return max(self.prompt_tokens + max(self.output - 1, 0) - self.computed, 1)
+
+    @property
+    def footprint(self) -> int:
+        """KV tokens the request holds once it has finished."""
+        return self.prompt_tokens + self.max_output_tokens
+
+
+Done = Callable[["SimEngine", SimRequest, float], None]
+
+
+class SimEngine:
+    """A simpy process serving requests; ``on_token(engine, request, now)`` after each emitted token.
+
+    ``stop_after_first``: a prefiller's requests leave after their first token (their KV moves on).
+    """
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        name: str,
+        cost_model: StepCostModel,
+        policy: SlideBatching,
+        kv_capacity_tokens: int,
+        max_num_seqs: int = 256,
+        stop_after_first: bool = False,
+    ) -> None:
+        self.env = env
+        self.name = name
+        self.cost_model = cost_model
+        self.policy = policy
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.max_num_seqs = max_num_seqs
+        self.stop_after_first = stop_after_first
+        self.waiting: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        # conversation -> tokens of its prefix cached here, least recently used first
+        self.cache: OrderedDict[str, int] = OrderedDict()
+        self.on_token: Done = lambda engine, request, now: None
+        self.on_finish: Done = lambda engine, request, now: None
+        self.busy_s = 0.0
+        self.steps = 0
+        self.tokens_computed = 0
+        self._wake: simpy.Event | None = None
+        self.process = env.process(self._run())
+
+    # --- what the router sees -------------------------------------------------------------------
+
+    def kv_used(self) -> int:
+        """KV tokens held: every running request's whole footprint, and the cached prefixes."""
+        return sum(r.footprint for r in self.running) + sum(self.cache.values())
+
+    def kv_usage(self) -> float:
+        """vllm:kv_cache_usage_perc as the router polls it: live requests' KV (the cached prefixes are free)."""
+        return min(1.0, sum(r.footprint for r in self.running) / self.kv_capacity_tokens)
+
+    def cached_tokens(self, conversation_id: str) -> int:
+        return self.cache.get(conversation_id, 0)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def submit(self, request: SimRequest) -> None:
+        """A request arrives; it computes only what this engine does not hold of its prompt."""
+        held = min(self.cache.pop(request.conversation_id, 0), request.prompt_tokens)
+        request.cached = max(request.computed, held)
+        request.computed = request.cached
+        self.waiting.append(request)
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _run(self) -> Process:
+        env = self.env
+        while True:
+            if not self.waiting and not self.running:
+                self._wake = env.event()
+                yield self._wake
+            scheduled = self._schedule()
+            if not scheduled:
+                # nothing can start (no slot or no KV): wait for a change
+                self._wake = env.event()
+                yield self._wake | env.timeout(0.01)
+                continue
+            new_tokens = sum(scheduled.values())
+            context = sum(r.computed for r in scheduled)
+            duration = self.cost_model.latency_s(new_tokens, context)
+            yield env.timeout(duration)
+            self.busy_s += duration
+            self.steps += 1
+            self.tokens_computed += new_tokens
+            self._advance(scheduled, env.now)
+
+    def _schedule(self) -> dict[SimRequest, int]:
+        running = {r.request_id: r for r in self.running}
+        candidates = [*self.running, *self.waiting]
+        free_slots = max(self.max_num_seqs - len(self.running), 0)
+        decision = self.policy.decide([r.view(r.request_id in running) for r in candidates], self.env.now, free_slots)
+        by_id = {r.request_id: r for r in candidates}
+        scheduled: dict[SimRequest, int] = {}
+        for request_id in decision.order:
+            allowance = decision.allowances.get(request_id)
+            if not allowance:
+                continue
+            request = by_id[request_id]
+            if request_id not in running:
+                if len(self.running) >= self.max_num_seqs or not self._make_room(request):
+                    continue
+                self.waiting.remove(request)
+                self.running.append(request)
+            scheduled[request] = min(allowance, request.due)
+        if not scheduled and self.running:  # never an empty step while something runs (the scheduler's rule)
+            first = self.running[0]
+            scheduled[first] = min(first.due, self.policy.config.max_tokens_per_step)
+        return scheduled
+
+    def _make_room(self, request: SimRequest) -> bool:
+        """Whether the request's KV fits, evicting cached prefixes (least recently used first) if needed."""
+        need = request.footprint - request.cached
+        while self.kv_used() + need > self.kv_capacity_tokens and self.cache:
+            self.cache.popitem(last=False)
+        return self.kv_used() + need <= self.kv_capacity_tokens
+
+    def _advance(self, scheduled: dict[SimRequest, int], now: float) -> None:
+        for request, tokens in scheduled.items():
+            emits = tokens >= request.due
+            request.computed += tokens
+            if not emits:
+                continue
+            request.output += 1
+            request.token_times.append(now)
+            self.on_token(self, request, now)
+            if request.output >= request.max_output_tokens or (self.stop_after_first and request.output == 1):
+                self.running.remove(request)
+                self.cache[request.conversation_id] = request.computed + (0 if self.stop_after_first else 1)
+                self.cache.move_to_end(request.conversation_id)
+                self.on_finish(self, request, now)
