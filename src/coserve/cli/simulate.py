@@ -129,10 +129,10 @@ def _cost_model(measured: Any, spec: Any) -> tuple[Any, str]:
     from coserve.scheduling import StepCostModel
 
     if measured is not None and measured.cost_model:
-        keys = {k: float(v) for k, v in measured.cost_model.items() if k in ("k1", "k2", "k3", "k4", "k5")}
-        return StepCostModel(**{"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": 0.0, "k5": 0.0, **keys}), (
-            "step cost model from the profile"
-        )
+        try:
+            return StepCostModel.from_dict(measured.cost_model), "step cost model from the profile"
+        except ValueError as error:
+            raise InvalidInput([Problem("--profile", str(error))]) from None
     curve = spec.profile.prefill_latency if spec.profile else None
     if curve is None:
         raise InvalidInput([Problem("--profile", "no step cost model: pass a profile from `coserve profile`")])

@@ -87,7 +87,7 @@ Done = Callable[["SimEngine", SimRequest, float], None]
 
 
 class SimEngine:
-    """A simpy process serving requests; ``on_token(engine, request, now)`` after each emitted token.
+    """A simpy process serving requests; ``on_finish(engine, request, now)`` when a request leaves it.
 
     ``stop_after_first``: a prefiller's requests leave after their first token (their KV moves on).
     """
@@ -113,10 +113,8 @@ class SimEngine:
         self.running: list[SimRequest] = []
         # conversation -> tokens of its prefix cached here, least recently used first
         self.cache: OrderedDict[str, int] = OrderedDict()
-        self.on_token: Done = lambda engine, request, now: None
         self.on_finish: Done = lambda engine, request, now: None
         self.busy_s = 0.0
-        self.steps = 0
         self.tokens_computed = 0
         self._wake: simpy.Event | None = None
         self.process = env.process(self._run())
@@ -162,7 +160,6 @@ class SimEngine:
             duration = self.cost_model.latency_s(new_tokens, context)
             yield env.timeout(duration)
             self.busy_s += duration
-            self.steps += 1
             self.tokens_computed += new_tokens
             self._advance(scheduled, env.now)
 
@@ -204,7 +201,6 @@ class SimEngine:
                 continue
             request.output += 1
             request.token_times.append(now)
-            self.on_token(self, request, now)
             if request.output >= request.max_output_tokens or (self.stop_after_first and request.output == 1):
                 self.running.remove(request)
                 self.cache[request.conversation_id] = request.computed + (0 if self.stop_after_first else 1)

@@ -159,6 +159,7 @@ class PoolSim:
         self.first_arrival: dict[str, float] = {}
         self.kv_occupancy: dict[str, list[tuple[float, float]]] = {d.name: [] for d in self.decoders}
         self._answered: dict[tuple[str, int], simpy.Event] = {}
+        self._record_of: dict[str, TurnRecord] = {}  # request id -> its turn (engines report requests)
         self._ids = itertools.count()
 
     def run(self, until_s: float | None = None) -> SimResult:
@@ -202,6 +203,7 @@ class PoolSim:
             answered = env.event()
             self._answered[(conversation.conversation_id, index)] = answered
             self.records.append(record)
+            self._record_of[request.request_id] = record
             self._place(record, first=index == 0)
             yield answered
 
@@ -223,7 +225,6 @@ class PoolSim:
         deadlines = prefill_deadlines(loads, request.prompt_tokens, request.cls.ttft_slo_s, self.config.prefill_latency)
         chosen = choose_gain_oriented(loads, deadlines) or loads[0]
         chosen.admitted_tokens += request.prompt_tokens
-        record.decoder = ""
         self.by_name[chosen.url].submit(request)
 
     def _emptiest_decoder(self) -> SimEngine:
@@ -238,7 +239,7 @@ class PoolSim:
         decoder.submit(request)
 
     def _finished(self, engine: SimEngine, request: SimRequest, now: float) -> None:
-        record = next(r for r in reversed(self.records) if r.request is request)
+        record = self._record_of[request.request_id]
         if engine.stop_after_first and request.output < request.max_output_tokens:
             self.env.process(self._move_kv(record))
             return
