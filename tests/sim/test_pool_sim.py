@@ -103,3 +103,17 @@ def test_the_command_prints_a_table_and_json() -> None:
     assert report["ttfet"]["n"] == 12 and report["ttfet"]["p95_s"] is None  # 12 conversations support no p95
     bad = subprocess.run([*command, "--decoders", "0"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "--decoders: must be at least 1" in bad.stderr
+
+
+@pytest.mark.parametrize("placement", ["conversation", "per-request"])
+def test_fast_forwarded_decoding_emits_every_token_when_the_step_by_step_run_does(placement: str) -> None:
+    """The steady-decode fast-forward is exact: the same token times as asking the policy every step."""
+    workload = agentic(12, 2.0, turns=3, first_tokens=300, appended_tokens=40, answer_tokens=30, gap_s=0.2, seed=3)
+    exact = run(workload, placement=placement, fast_forward=False)
+    fast = run(workload, placement=placement)
+    skipped = sum(e.fast_forwarded for e in fast.decoders)
+    assert skipped > 100  # the workload has long steady decode runs, so the test exercises the fast path
+    assert sum(e.steps for e in fast.decoders) == sum(e.steps for e in exact.decoders)
+    for a, b in zip(exact.result.records, fast.result.records, strict=True):  # type: ignore[attr-defined]
+        assert b.request.token_times == pytest.approx(a.request.token_times, abs=1e-9)
+        assert a.decoder == b.decoder

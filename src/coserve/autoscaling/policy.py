@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from coserve.api.profile import EngineProfile
     from coserve.api.spec import SpecModel
 
-__all__ = ["Decision", "Recommendation", "Replicas", "Signals", "Thresholds", "decide"]
+__all__ = ["Decision", "Recommendation", "Replicas", "Signals", "Thresholds", "decide", "thresholds_for"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,18 @@ class Thresholds:
     down_step_fraction: float = 0.25
     rate_headroom: float = 1.2  # the model runs at this multiple of the measured rate
     down_tolerance: float = 0.1  # a role scales down only when the recommendation is this fraction below it
+
+
+def thresholds_for(spec: SpecModel) -> Thresholds:
+    """The pool's ``spec.autoscaling`` as ``Thresholds`` (the operator's autoscaler and the simulator)."""
+    scaling = spec.autoscaling
+    return Thresholds(
+        min_replicas=Replicas(scaling.prefillers.min_replicas, scaling.decoders.min_replicas),
+        max_replicas=Replicas(scaling.prefillers.max_replicas, scaling.decoders.max_replicas),
+        stabilization_window_s=scaling.stabilization_window_s,
+        kv_usage_high=scaling.kv_usage_high,
+        queue_high=scaling.prefiller_queue_high,
+    )
 
 
 @dataclass(frozen=True)

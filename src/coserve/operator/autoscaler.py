@@ -52,7 +52,7 @@ from coserve.api.status import (
     RoleCounts,
     StatusModel,
 )
-from coserve.autoscaling.policy import Decision, Recommendation, Replicas, Signals, Thresholds, decide, hold_reason
+from coserve.autoscaling.policy import Decision, Recommendation, Replicas, Signals, decide, hold_reason, thresholds_for
 from coserve.autoscaling.queries import SIGNALS, queries_for
 from coserve.operator.cache import ObjectCache
 from coserve.operator.kube import KubeClient, KubeError
@@ -295,13 +295,7 @@ class Autoscaler:
         profile, problem = await self.read_profile(namespace, body)
         if problem is not None:
             return _Outcome(False, "ProfileUnavailable", f"{problem}; {held}"), seen
-        thresholds = Thresholds(
-            min_replicas=Replicas(scaling.prefillers.min_replicas, scaling.decoders.min_replicas),
-            max_replicas=Replicas(scaling.prefillers.max_replicas, scaling.decoders.max_replicas),
-            stabilization_window_s=scaling.stabilization_window_s,
-            kv_usage_high=scaling.kv_usage_high,
-            queue_high=scaling.prefiller_queue_high,
-        )
+        thresholds = thresholds_for(pool.spec)
         try:
             decision = decide(
                 pool.spec,

@@ -6,6 +6,28 @@ link and the router's placement, pinning and polling.
 """
 
 from coserve.sim.engine import SimEngine, SimRequest
-from coserve.sim.pool import PLACEMENTS, PoolSim, SimConfig, SimResult
+from coserve.sim.pool import (
+    PLACEMENTS,
+    ROUTINGS,
+    Observation,
+    OfflineWork,
+    PoolSim,
+    Scaler,
+    SimConfig,
+    SimResult,
+)
+from coserve.sim.scaling import coserve_scaler
 
-__all__ = ["PLACEMENTS", "PoolSim", "SimConfig", "SimEngine", "SimRequest", "SimResult"]
+__all__ = [
+    "PLACEMENTS",
+    "ROUTINGS",
+    "Observation",
+    "OfflineWork",
+    "PoolSim",
+    "Scaler",
+    "SimConfig",
+    "SimEngine",
+    "SimRequest",
+    "SimResult",
+    "coserve_scaler",
+]

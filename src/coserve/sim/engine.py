@@ -18,6 +18,13 @@ What an engine models, as vLLM does:
 - a request computes its prompt (less its cached prefix) in chunks, then one
   token per step; a token is emitted at the end of the step that computes it.
 
+Steady decoding is fast-forwarded: when nothing waits and the policy runs every
+running request's next token, the engine computes the run of identical steps up
+to the next finish (or arrival) at once, because SlideBatching provably decides
+the same batch for each of them (``SimEngine._steady_steps`` states the
+conditions). Token times are those of the step-by-step run; this is what lets
+an hour of a fleet's traffic simulate in seconds.
+
 What it does not model: preemption of running requests for KV (admission is
 conservative instead), speculative decoding, CUDA graph padding, the API
 server's own latency.
@@ -32,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from coserve.scheduling import SchedRequest, SlideBatching, StepCostModel
 from coserve.scheduling.requests import RequestClass
+from coserve.scheduling.slide_batching import StepDecision
 
 if TYPE_CHECKING:
     import simpy
@@ -101,6 +109,7 @@ class SimEngine:
         kv_capacity_tokens: int,
         max_num_seqs: int = 256,
         stop_after_first: bool = False,
+        fast_forward: bool = True,
     ) -> None:
         self.env = env
         self.name = name
@@ -116,6 +125,11 @@ class SimEngine:
         self.on_finish: Done = lambda engine, request, now: None
         self.busy_s = 0.0
         self.tokens_computed = 0
+        self.steps = 0
+        self.fast_forwarded = 0  # steps run without asking the policy again, as it would have decided the same
+        self.fast_forward = fast_forward
+        self._running_kv = 0  # footprints of the running requests
+        self._cached_kv = 0  # tokens in ``cache``
         self._wake: simpy.Event | None = None
         self.process = env.process(self._run())
 
@@ -123,20 +137,24 @@ class SimEngine:
 
     def kv_used(self) -> int:
         """KV tokens held: every running request's whole footprint, and the cached prefixes."""
-        return sum(r.footprint for r in self.running) + sum(self.cache.values())
+        return self._running_kv + self._cached_kv
 
     def kv_usage(self) -> float:
         """vllm:kv_cache_usage_perc as the router polls it: live requests' KV (the cached prefixes are free)."""
-        return min(1.0, sum(r.footprint for r in self.running) / self.kv_capacity_tokens)
+        return min(1.0, self._running_kv / self.kv_capacity_tokens)
 
     def cached_tokens(self, conversation_id: str) -> int:
         return self.cache.get(conversation_id, 0)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
 
     # --- requests --------------------------------------------------------------------------------
 
     def submit(self, request: SimRequest) -> None:
         """A request arrives; it computes only what this engine does not hold of its prompt."""
-        held = min(self.cache.pop(request.conversation_id, 0), request.prompt_tokens)
+        held = min(self._uncache(request.conversation_id), request.prompt_tokens)
         request.cached = max(request.computed, held)
         request.computed = request.cached
         self.waiting.append(request)
@@ -149,22 +167,90 @@ class SimEngine:
             if not self.waiting and not self.running:
                 self._wake = env.event()
                 yield self._wake
-            scheduled = self._schedule()
+            scheduled, decision = self._schedule()
             if not scheduled:
                 # nothing can start (no slot or no KV): wait for a change
                 self._wake = env.event()
                 yield self._wake | env.timeout(0.01)
                 continue
-            new_tokens = sum(scheduled.values())
-            context = sum(r.computed for r in scheduled)
-            duration = self.cost_model.latency_s(new_tokens, context)
-            yield env.timeout(duration)
-            self.busy_s += duration
-            self.tokens_computed += new_tokens
-            self._advance(scheduled, env.now)
+            steps = self._steady_steps(scheduled, decision) if self.fast_forward else 1
+            if steps <= 1:
+                new_tokens = sum(scheduled.values())
+                duration = self.cost_model.latency_s(new_tokens, sum(r.computed for r in scheduled))
+                yield env.timeout(duration)
+                self._account(duration, new_tokens)
+                self._advance(scheduled, env.now)
+                continue
+            yield from self._decode_run(list(scheduled), steps)
 
-    def _schedule(self) -> dict[SimRequest, int]:
-        running = {r.request_id: r for r in self.running}
+    def _steady_steps(self, scheduled: dict[SimRequest, int], decision: StepDecision | None) -> int:
+        """How many steps in a row the policy would run exactly this decode batch (1: decide again next step).
+
+        The fast-forward is exact, not an approximation: with nothing waiting and every running request
+        decoding one token, the next steps' decisions are the same batch as long as (a) no request finishes
+        and nothing arrives (the pool wakes the engine), (b) every step is no longer than the smallest TPOT
+        SLO, so no running request's slack shrinks and the time budget cannot fall, and (c) the token
+        budget at that floor still covers the batch at the batch's final context. ``tests/sim`` checks
+        that token times match the step-by-step run.
+        """
+        if decision is None or self.waiting or len(scheduled) != len(self.running):
+            return 1
+        if any(tokens != 1 or request.due != 1 for request, tokens in scheduled.items()):
+            return 1
+        n = len(scheduled)
+        steps = min(r.max_output_tokens - r.output for r in scheduled)
+        if steps <= 1 or n > self.policy.config.max_tokens_per_step:
+            return 1
+        context = sum(r.computed for r in scheduled)
+        final_context = context + n * (steps - 1)
+        model = self.cost_model
+        slowest = model.latency_s(n, final_context)
+        creep = model.latency_s(1, final_context + 1) - model.latency_s(1, final_context)  # a decode's work grows
+        if slowest + creep > min(r.cls.tpot_slo_s for r in scheduled):
+            return 1
+        floor = decision.time_budget_s
+        if any(r.request_id in decision.late_ids for r in scheduled):
+            floor = min(floor, self.policy.config.min_step_s)  # a late request may come back on time, slack >= 0
+        if model.max_new_tokens(floor, final_context, self.policy.config.max_tokens_per_step) < n:
+            return 1
+        return steps
+
+    def _decode_run(self, batch: list[SimRequest], steps: int) -> Process:
+        """Run ``steps`` identical decode steps, stopping at the first step boundary after an arrival."""
+        env = self.env
+        n, started = len(batch), env.now
+        context = sum(r.computed for r in batch)
+        ends: list[float] = []
+        now = started
+        for step in range(steps):
+            now += self.cost_model.latency_s(n, context + n * step)
+            ends.append(now)
+        self._wake = env.event()
+        yield self._wake | env.timeout(ends[-1] - started)
+        done = steps
+        if env.now < ends[-1]:  # something arrived: the step in flight ends, then the policy decides again
+            done = next(i for i, end in enumerate(ends) if end >= env.now) + 1
+            yield env.timeout(max(ends[done - 1] - env.now, 0.0))
+        self._wake = None
+        self.busy_s += ends[done - 1] - started
+        self.tokens_computed += n * done
+        self.steps += done
+        self.fast_forwarded += done - 1
+        for request in batch:
+            request.computed += done
+            request.output += done
+            request.token_times.extend(ends[:done])
+        for request in batch:
+            if request.output >= request.max_output_tokens:
+                self._leave(request, ends[done - 1])
+
+    def _account(self, duration: float, new_tokens: int) -> None:
+        self.busy_s += duration
+        self.tokens_computed += new_tokens
+        self.steps += 1
+
+    def _schedule(self) -> tuple[dict[SimRequest, int], StepDecision | None]:
+        running = {r.request_id for r in self.running}
         candidates = [*self.running, *self.waiting]
         free_slots = max(self.max_num_seqs - len(self.running), 0)
         decision = self.policy.decide([r.view(r.request_id in running) for r in candidates], self.env.now, free_slots)
@@ -180,18 +266,26 @@ class SimEngine:
                     continue
                 self.waiting.remove(request)
                 self.running.append(request)
+                self._running_kv += request.footprint
             scheduled[request] = min(allowance, request.due)
         if not scheduled and self.running:  # never an empty step while something runs (the scheduler's rule)
             first = self.running[0]
             scheduled[first] = min(first.due, self.policy.config.max_tokens_per_step)
-        return scheduled
+            return scheduled, None
+        return scheduled, decision
 
     def _make_room(self, request: SimRequest) -> bool:
         """Whether the request's KV fits, evicting cached prefixes (least recently used first) if needed."""
         need = request.footprint - request.cached
         while self.kv_used() + need > self.kv_capacity_tokens and self.cache:
-            self.cache.popitem(last=False)
+            _, tokens = self.cache.popitem(last=False)
+            self._cached_kv -= tokens
         return self.kv_used() + need <= self.kv_capacity_tokens
+
+    def _uncache(self, conversation_id: str) -> int:
+        tokens = self.cache.pop(conversation_id, 0)
+        self._cached_kv -= tokens
+        return tokens
 
     def _advance(self, scheduled: dict[SimRequest, int], now: float) -> None:
         for request, tokens in scheduled.items():
@@ -202,7 +296,14 @@ class SimEngine:
             request.output += 1
             request.token_times.append(now)
             if request.output >= request.max_output_tokens or (self.stop_after_first and request.output == 1):
-                self.running.remove(request)
-                self.cache[request.conversation_id] = request.computed + (0 if self.stop_after_first else 1)
-                self.cache.move_to_end(request.conversation_id)
-                self.on_finish(self, request, now)
+                self._leave(request, now)
+
+    def _leave(self, request: SimRequest, now: float) -> None:
+        """A request is done here: its KV stays cached for its conversation, the pool hears of it."""
+        self.running.remove(request)
+        self._running_kv -= request.footprint
+        self._uncache(request.conversation_id)
+        tokens = request.computed + (0 if self.stop_after_first else 1)
+        self.cache[request.conversation_id] = tokens
+        self._cached_kv += tokens
+        self.on_finish(self, request, now)

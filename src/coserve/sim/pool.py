@@ -1,4 +1,4 @@
-"""A pool on a simulated clock: router placement, prefillers, KV moves and decoders, running the real policies.
+"""A pool on a simulated clock: router, prefillers, KV moves, decoders, autoscaler, running the real policies.
 
 Who calls it: ``coserve simulate`` (``coserve.cli.simulate``) and the benchmarks
 build a ``PoolSim`` from a pool spec's sizes, a step cost model and a workload
@@ -12,7 +12,16 @@ policies, called as the live components call them:
   prefiller (GoRouting), ``choose_decoder`` picks turn 1's decoder (lowest KV
   occupancy), ``PinTable`` keeps conversations on their decoder; the router's
   view of the engines (``EngineLoad``) is refreshed every ``poll_s`` as it
-  polls /metrics, plus what it admitted since.
+  polls /metrics, plus what it admitted since;
+- offline batch work (``OfflineWork``) goes through the same placement at the
+  offline class, at most ``concurrency`` at a time and only while some decoder
+  is below ``spare`` KV occupancy (the router's batch runner); the engines'
+  SlideBatching puts it behind every online request;
+- the autoscaler (``scaler``, e.g. ``coserve_scaler`` around
+  ``coserve.autoscaling.decide``) is evaluated every ``scale_interval_s`` on
+  what Prometheus would show (``Observation``); a new replica serves
+  ``startup_s`` after it is asked for; a removed one takes no new work, hands
+  back what it has not started and drains the rest.
 
 Placements (``placement``):
 
@@ -23,6 +32,12 @@ Placements (``placement``):
 - ``per-request``: every turn goes to the emptiest decoder, which computes what
   it does not hold (a least-loaded balancer, no P/D).
 
+``routing`` picks among the engines a new request enters (prefillers, or the
+engines themselves under ``per-request``): ``goroute`` (GoRouting, the
+router's), ``round-robin`` or ``least-loaded`` (fewest waiting, then lowest
+occupancy); unset, prefillers use GoRouting and per-request placement the
+lowest KV occupancy.
+
 A KV move takes ``prompt tokens x kv_bytes_per_token / kv_bandwidth_bytes_per_s``.
 A later turn is sent when its trace time comes or ``gap_s`` after the previous
 answer ended, whichever is later (the closed loop an agent runs).
@@ -31,12 +46,14 @@ answer ended, whichever is later (the closed loop an agent runs).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator, Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import simpy
 
+from coserve.autoscaling.policy import Replicas, Signals
 from coserve.bench.workload import Conversation
 from coserve.router.policy import EngineLoad, PinTable, choose_decoder, choose_gain_oriented, prefill_deadlines
 from coserve.scheduling import SlideBatching, SlideConfig, StepCostModel
@@ -47,9 +64,31 @@ from coserve.sim.engine import SimEngine, SimRequest
 # a simpy process body: yields events, is resumed with their values
 Process = Generator[Any, Any, None]
 
-__all__ = ["PLACEMENTS", "PoolSim", "SimConfig", "SimResult"]
+__all__ = [
+    "PLACEMENTS",
+    "ROUTINGS",
+    "Observation",
+    "OfflineWork",
+    "PoolSim",
+    "Scaler",
+    "SimConfig",
+    "SimResult",
+    "TurnRecord",
+]
 
 PLACEMENTS = ("conversation", "per-turn", "per-request")
+ROUTINGS = ("goroute", "round-robin", "least-loaded")
+
+
+@dataclass(frozen=True)
+class OfflineWork:
+    """Offline batch lines at class ``cls``: ``prompt_tokens`` in, ``output_tokens`` out, ``concurrency`` in flight."""
+
+    cls: RequestClass
+    prompt_tokens: int = 512
+    output_tokens: int = 64
+    concurrency: int = 8
+    spare: float = 0.5  # dispatch only while some decoder is below this KV occupancy (the batch runner's rule)
 
 
 @dataclass(frozen=True)
@@ -61,6 +100,7 @@ class SimConfig:
     cost_model: StepCostModel
     kv_capacity_tokens: int
     placement: str = "conversation"
+    routing: str | None = None  # see the module docstring; None: the router's defaults
     max_num_seqs: int = 256
     slide: SlideConfig = field(default_factory=SlideConfig)
     kv_bytes_per_token: float = 131072.0  # an 8B Llama in bf16: 32 layers x 8 KV heads x 128 x 2 x 2 bytes
@@ -69,10 +109,17 @@ class SimConfig:
     poll_s: float = 0.5
     full: float = 0.9
     prefill_latency: tuple[float, float, float] | None = None  # (s, s/token, s/token^2) for GoRouting's deadlines
+    fast_forward: bool = True  # run steady decode batches without re-asking the policy (exact; see SimEngine)
+    offline: OfflineWork | None = None
+    startup_s: float = 60.0  # a replica the autoscaler adds serves this long after it is asked for
+    scale_interval_s: float = 30.0
+    scale_warmup_s: float = 120.0  # the autoscaler starts once the 2-minute rate window is full
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement: expected one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.routing is not None and self.routing not in ROUTINGS:
+            raise ValueError(f"routing: expected one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.decoders < 1 or (self.placement != "per-request" and self.prefillers < 1):
             raise ValueError("a pool needs at least one decoder, and one prefiller unless placement is per-request")
 
@@ -84,24 +131,66 @@ class TurnRecord:
     last_turn: bool
     request: SimRequest
     decoder: str = ""
+    offline: bool = False
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the autoscaler's default PromQL (``coserve.autoscaling.queries``) and an HPA would read now.
+
+    ``None``: no sample (an empty window). Windows as the queries have them: the
+    arrival rate over 2 m, lengths over 5 m, lifetimes over 10 m, the
+    prefillers' prompt-token rate over 2 m; gauges as polled.
+    """
+
+    arrival_rate_per_s: float
+    input_tokens: float | None
+    output_tokens: float | None
+    lifetime_s: float | None
+    prefill_tokens_per_s: float | None  # per prefiller
+    prefiller_queue: float | None  # mean waiting per prefiller
+    decoder_kv_usage: float | None  # mean over decoders
+    decoder_waiting: float
+    prefiller_requests: float  # running + waiting, summed over the prefillers that serve
+    decoder_requests: float
+
+    def signals(self) -> Signals:
+        return Signals(
+            arrival_rate_per_s=self.arrival_rate_per_s,
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            lifetime_s=self.lifetime_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            prefiller_queue=self.prefiller_queue,
+            decoder_kv_usage=self.decoder_kv_usage,
+            decoder_waiting=self.decoder_waiting,
+        )
+
+
+# (now, replicas asked for, what Prometheus shows) -> replicas wanted
+Scaler = Callable[[float, Replicas, Observation], Replicas]
 
 
 @dataclass
 class SimResult:
-    """What a run measured: every turn's record, and the engines' utilisation and KV over time."""
+    """What a run measured: every turn's record, the engines' use, KV and replicas over time."""
 
     records: list[TurnRecord]
     conversations: dict[str, float]  # conversation -> first arrival
     duration_s: float
     busy_s: dict[str, float]
     kv_occupancy: dict[str, list[tuple[float, float]]]  # decoder -> (time, KV usage)
+    replicas: list[tuple[float, int, int]] = field(default_factory=list)  # (time, prefillers, decoders) asked for
+    replica_seconds: dict[str, float] = field(default_factory=dict)  # role -> replicas (asked for or draining) x s
+    offline_tokens: int = 0  # prompt + output tokens of finished offline requests
+    tokens_computed: dict[str, int] = field(default_factory=dict)
 
     def ttfet_s(self) -> list[float]:
         """Per conversation: first arrival to the final turn's first token (finished conversations only)."""
         return [
             r.request.token_times[0] - self.conversations[r.conversation_id]
             for r in self.records
-            if r.last_turn and r.request.token_times
+            if r.last_turn and r.request.token_times and not r.offline
         ]
 
     def per_class(self) -> dict[str, dict[str, Any]]:
@@ -128,63 +217,281 @@ class SimResult:
             row["possible_gain"] += gain.possible
         return out
 
+    def utilisation(self, decode_tokens_per_s: float | None = None) -> dict[str, float]:
+        """Each role's load as a fraction of what it has: prefillers' busy time; decoders' tokens per second over
+        ``decode_tokens_per_s`` (the profile's T_d; without it, their busy time, which a single decoding
+        request already fills) and their mean KV occupancy."""
+        out: dict[str, float] = {}
+        if not self.duration_s:
+            return out
+        for role in ("prefiller", "decoder"):
+            busy = [v for k, v in self.busy_s.items() if k.startswith(role)]
+            if busy:
+                out[f"{role}_busy"] = sum(busy) / (len(busy) * self.duration_s)
+        decoders = [v for k, v in self.tokens_computed.items() if k.startswith("decoder")]
+        if decode_tokens_per_s and decoders:
+            out["decoder_compute"] = sum(decoders) / (len(decoders) * self.duration_s * decode_tokens_per_s)
+        samples = [usage for series in self.kv_occupancy.values() for _, usage in series]
+        if samples:
+            out["decoder_kv"] = sum(samples) / len(samples)
+        return out
+
+    def first_bottleneck(self, decode_tokens_per_s: float | None = None) -> str | None:
+        """The resource closest to saturation: ``prefiller``, ``decoder compute`` or ``decoder KV``."""
+        use = self.utilisation(decode_tokens_per_s)
+        compute = use.get("decoder_compute", use.get("decoder_busy"))
+        named = {"prefiller": use.get("prefiller_busy"), "decoder compute": compute,
+                 "decoder KV": use.get("decoder_kv")}  # fmt: skip
+        known = {k: v for k, v in named.items() if v is not None}
+        return max(known, key=lambda k: known[k]) if known else None
+
+
+class _Window:
+    """Samples (time, value) kept for ``seconds``: the sum over a Prometheus range."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.samples: deque[tuple[float, float]] = deque()
+        self.total = 0.0
+
+    def add(self, now: float, value: float) -> None:
+        self.samples.append((now, value))
+        self.total += value
+
+    def sum(self, now: float) -> float:
+        while self.samples and self.samples[0][0] <= now - self.seconds:
+            self.total -= self.samples.popleft()[1]
+        return self.total if self.samples else 0.0
+
+    def count(self, now: float) -> int:
+        self.sum(now)
+        return len(self.samples)
+
 
 class PoolSim:
-    """One run: ``PoolSim(config, conversations, class_of).run(until_s)``."""
+    """One run: ``PoolSim(config, conversations, class_of, scaler=None).run(until_s)``."""
 
     def __init__(
-        self, config: SimConfig, conversations: Sequence[Conversation], class_of: dict[str, RequestClass]
+        self,
+        config: SimConfig,
+        conversations: Sequence[Conversation],
+        class_of: dict[str, RequestClass],
+        scaler: Scaler | None = None,
     ) -> None:
         self.config = config
         self.env = simpy.Environment()
         self.conversations = list(conversations)
         self.class_of = class_of
-        policy = SlideBatching(config.cost_model, config.slide)
-
-        def engine(name: str, prefiller: bool) -> SimEngine:
-            built = SimEngine(self.env, name, config.cost_model, policy, config.kv_capacity_tokens,
-                              config.max_num_seqs, stop_after_first=prefiller)  # fmt: skip
-            built.on_finish = self._finished
-            return built
-
-        uses_prefillers = config.placement != "per-request"
-        self.prefillers = [engine(f"prefiller-{i}", True) for i in range(config.prefillers if uses_prefillers else 0)]
-        self.decoders = [engine(f"decoder-{i}", False) for i in range(config.decoders)]
-        self.by_name = {e.name: e for e in [*self.prefillers, *self.decoders]}
-        self.loads = {
-            e.name: EngineLoad(e.name, kv_capacity_tokens=config.kv_capacity_tokens) for e in self.by_name.values()
-        }
+        self.scaler = scaler
+        offline_rank = config.offline.cls.rank if config.offline else None
+        self.policy = SlideBatching(config.cost_model, config.slide, offline_rank=offline_rank)
+        self.uses_prefillers = config.placement != "per-request"
+        self.prefillers: list[SimEngine] = []  # asked for (starting or serving), not draining
+        self.decoders: list[SimEngine] = []
+        self.draining: list[SimEngine] = []
+        self.by_name: dict[str, SimEngine] = {}
+        self.loads: dict[str, EngineLoad] = {}
+        self.ready_at: dict[str, float] = {}
+        self.kv_occupancy: dict[str, list[tuple[float, float]]] = {}
+        self._names = {"prefiller": itertools.count(), "decoder": itertools.count()}
+        for _ in range(config.prefillers if self.uses_prefillers else 0):
+            self._add("prefiller", ready_at=0.0)
+        for _ in range(config.decoders):
+            self._add("decoder", ready_at=0.0)
         self.pins = PinTable(ttl_s=config.pin_ttl_s)
         self.records: list[TurnRecord] = []
         self.first_arrival: dict[str, float] = {}
-        self.kv_occupancy: dict[str, list[tuple[float, float]]] = {d.name: [] for d in self.decoders}
+        self.replicas: list[tuple[float, int, int]] = []
+        self.replica_seconds = {"prefiller": 0.0, "decoder": 0.0}
+        self.offline_tokens = 0
         self._answered: dict[tuple[str, int], simpy.Event] = {}
         self._record_of: dict[str, TurnRecord] = {}  # request id -> its turn (engines report requests)
         self._ids = itertools.count()
+        self._rotation = itertools.count()
+        self._pending: list[TurnRecord] = []  # no engine ready to take them: placed when one is
+        self._offline_in_flight = 0
+        self._offline_done: simpy.Event | None = None
+        # what the router's and vLLM's counters would give Prometheus
+        self._arrived = _Window(120.0)
+        self._arrived_5m = _Window(300.0)
+        self._arrived_prompt = _Window(300.0)
+        self._output_5m = _Window(300.0)
+        self._lifetimes = _Window(600.0)
+        self._prefilled: deque[tuple[float, int]] = deque()  # (time, prompt tokens the prefillers computed, total)
+        self._last_tick = 0.0
+        self.records_first_token: dict[str, float] = {}  # conversation -> its first token (for W)
+
+    # --- running -----------------------------------------------------------------------------------
 
     def run(self, until_s: float | None = None) -> SimResult:
         """Simulate until every conversation's last answer (or ``until_s``)."""
         processes = [self.env.process(self._conversation(c)) for c in self.conversations]
         self.env.process(self._poll())
+        if self.config.offline is not None:
+            self.env.process(self._offline())
+        if self.scaler is not None:
+            self.env.process(self._autoscale())
         self.env.run(until=until_s if until_s is not None else self.env.all_of(processes))
+        self._count_replicas()
+        engines = [*self.by_name.values()]
         return SimResult(
             self.records,
             dict(self.first_arrival),
             float(self.env.now),
-            {e.name: e.busy_s for e in self.by_name.values()},
+            {e.name: e.busy_s for e in engines},
             self.kv_occupancy,
+            self.replicas,
+            dict(self.replica_seconds),
+            self.offline_tokens,
+            {e.name: e.tokens_computed for e in engines},
         )
+
+    # --- replicas --------------------------------------------------------------------------------
+
+    def _add(self, role: str, ready_at: float) -> SimEngine:
+        config = self.config
+        name = f"{role}-{next(self._names[role])}"
+        engine = SimEngine(self.env, name, config.cost_model, self.policy, config.kv_capacity_tokens,
+                           config.max_num_seqs, stop_after_first=role == "prefiller",
+                           fast_forward=config.fast_forward)  # fmt: skip
+        engine.on_finish = self._finished
+        self.by_name[name] = engine
+        self.loads[name] = EngineLoad(name, kv_capacity_tokens=config.kv_capacity_tokens)
+        self.ready_at[name] = ready_at
+        (self.prefillers if role == "prefiller" else self.decoders).append(engine)
+        if role == "decoder":
+            self.kv_occupancy[name] = []
+        return engine
+
+    def _ready(self, engines: list[SimEngine]) -> list[SimEngine]:
+        now = self.env.now
+        return [e for e in engines if self.ready_at[e.name] <= now]
+
+    def resize(self, wanted: Replicas) -> None:
+        """Apply a decision: new replicas serve after ``startup_s``; removed ones hand back and drain."""
+        now = self.env.now
+        self._count_replicas()
+        for role, engines, count in (("prefiller", self.prefillers, wanted.prefillers if self.uses_prefillers else 0),
+                                     ("decoder", self.decoders, wanted.decoders)):  # fmt: skip
+            while len(engines) < count:
+                engine = self._add(role, ready_at=now + self.config.startup_s)
+                self.env.process(self._becomes_ready(engine))
+            # Kubernetes removes pods that are not ready first, then (here) the least loaded
+            victims = sorted(engines, key=lambda e: (self.ready_at[e.name] <= now, len(e.running) + len(e.waiting)))
+            for engine in victims[: max(len(engines) - count, 0)]:
+                engines.remove(engine)
+                self._retire(engine)
+
+    def _retire(self, engine: SimEngine) -> None:
+        if self.ready_at[engine.name] > self.env.now:
+            self.ready_at[engine.name] = float("inf")  # never started
+            return
+        for request in list(engine.waiting):  # not started: back to the router
+            engine.waiting.remove(request)
+            record = self._record_of[request.request_id]
+            request.computed = 0 if request.cached < request.prompt_tokens else request.computed
+            self._reroute(record)
+        if engine.name in self.kv_occupancy:
+            self.pins.drop_decoder(engine.name)
+        if not engine.idle:
+            self.draining.append(engine)
+
+    def _reroute(self, record: TurnRecord) -> None:
+        request = record.request
+        if request.cached >= request.prompt_tokens and self.uses_prefillers:
+            self._to_decoder(record, self._emptiest_decoder())  # its KV was moved here; it moves on
+        else:
+            request.computed = request.cached = 0
+            self._place(record, first=True)
+
+    def _becomes_ready(self, engine: SimEngine) -> Process:
+        yield self.env.timeout(self.config.startup_s)
+        if self._pending and self.ready_at[engine.name] <= self.env.now:
+            pending, self._pending = self._pending, []
+            for record in pending:
+                self._place(record, first=record.turn == 0)
+
+    def _count_replicas(self) -> None:
+        now = self.env.now
+        elapsed = now - self._last_tick
+        self._last_tick = now
+        self.draining = [e for e in self.draining if not e.idle]
+        for role, engines in (("prefiller", self.prefillers), ("decoder", self.decoders)):
+            draining = sum(1 for e in self.draining if e.name.startswith(role))
+            self.replica_seconds[role] += elapsed * (len(engines) + draining)
 
     # --- processes -------------------------------------------------------------------------------
 
     def _poll(self) -> Process:
-        """The router's view of each engine, refreshed as it polls /metrics."""
+        """The router's view of each engine, refreshed as it polls /metrics; the time series."""
         while True:
+            now = self.env.now
             for name, engine in self.by_name.items():
                 self.loads[name].polled(engine.kv_usage(), len(engine.waiting))
-            for decoder in self.decoders:
-                self.kv_occupancy[decoder.name].append((self.env.now, decoder.kv_usage()))
+            for decoder in self._ready(self.decoders):
+                self.kv_occupancy[decoder.name].append((now, decoder.kv_usage()))
+            self._prefilled.append((now, sum(e.tokens_computed for e in self.by_name.values()
+                                             if e.name.startswith("prefiller"))))  # fmt: skip
+            while self._prefilled and self._prefilled[0][0] < now - 120.0:
+                self._prefilled.popleft()
+            self._count_replicas()
+            self.replicas.append((now, len(self.prefillers), len(self.decoders)))
             yield self.env.timeout(self.config.poll_s)
+
+    def observe(self) -> Observation:
+        """What Prometheus shows now (``Observation``), from the router's counters and the engines' gauges."""
+        now = self.env.now
+        arrivals = self._arrived_5m.count(now)
+        lifetimes = self._lifetimes.count(now)
+        prefillers = self._ready(self.prefillers)
+        decoders = self._ready(self.decoders)
+        span = now - self._prefilled[0][0] if self._prefilled else 0.0
+        prefill_rate = (self._prefilled[-1][1] - self._prefilled[0][1]) / span if span > 0 else None
+        return Observation(
+            arrival_rate_per_s=self._arrived.count(now) / 120.0,
+            input_tokens=self._arrived_prompt.sum(now) / arrivals if arrivals else None,
+            output_tokens=self._output_5m.sum(now) / arrivals if arrivals else None,
+            lifetime_s=self._lifetimes.sum(now) / lifetimes if lifetimes else None,
+            prefill_tokens_per_s=prefill_rate / max(1, len(prefillers)) if prefill_rate is not None else None,
+            prefiller_queue=sum(len(p.waiting) for p in prefillers) / len(prefillers) if prefillers else None,
+            decoder_kv_usage=sum(d.kv_usage() for d in decoders) / len(decoders) if decoders else None,
+            decoder_waiting=float(sum(len(d.waiting) for d in decoders)),
+            prefiller_requests=float(sum(len(p.waiting) + len(p.running) for p in prefillers)),
+            decoder_requests=float(sum(len(d.waiting) + len(d.running) for d in decoders)),
+        )
+
+    def _autoscale(self) -> Process:
+        scaler = self.scaler
+        if scaler is None:
+            return
+        yield self.env.timeout(self.config.scale_warmup_s)
+        while True:
+            current = Replicas(len(self.prefillers), len(self.decoders))
+            wanted = scaler(self.env.now, current, self.observe())
+            if wanted != current:
+                self.resize(wanted)
+            yield self.env.timeout(self.config.scale_interval_s)
+
+    def _offline(self) -> Process:
+        """The batch runner: ``concurrency`` lines in flight, dispatched while some decoder has spare KV."""
+        offline = self.config.offline
+        if offline is None:
+            return
+        while True:
+            spare = any(self.loads[d.name].occupancy() < offline.spare for d in self._ready(self.decoders))
+            if self._offline_in_flight >= offline.concurrency or not spare:
+                self._offline_done = self.env.event()
+                yield self._offline_done | self.env.timeout(self.config.poll_s)
+                continue
+            self._offline_in_flight += 1
+            index = next(self._ids)
+            request = SimRequest(
+                request_id=f"r{index}", conversation_id=f"offline-{index}", cls=offline.cls, arrival_s=self.env.now,
+                prompt_tokens=offline.prompt_tokens, max_output_tokens=offline.output_tokens,
+            )  # fmt: skip
+            record = TurnRecord(request.conversation_id, 0, True, request, offline=True)
+            self._record_of[request.request_id] = record
+            self._place(record, first=True)
 
     def _conversation(self, conversation: Conversation) -> Process:
         env = self.env
@@ -204,8 +511,15 @@ class PoolSim:
             self._answered[(conversation.conversation_id, index)] = answered
             self.records.append(record)
             self._record_of[request.request_id] = record
+            if index == 0:
+                self._arrived.add(env.now, 1.0)
+                self._arrived_5m.add(env.now, 1.0)
+                self._arrived_prompt.add(env.now, request.prompt_tokens)
             self._place(record, first=index == 0)
             yield answered
+        first_token = self.records_first_token.get(conversation.conversation_id)
+        if first_token is not None:
+            self._lifetimes.add(env.now, env.now - first_token)
 
     # --- the router ------------------------------------------------------------------------------
 
@@ -213,22 +527,46 @@ class PoolSim:
         request, now = record.request, self.env.now
         placement = self.config.placement
         if placement == "per-request":
-            self._to_decoder(record, self._emptiest_decoder())
+            engine = self._route(self._ready(self.decoders), request)
+            if engine is None:
+                self._pending.append(record)
+            else:
+                self._to_decoder(record, engine)
             return
         if placement == "conversation" and not first:
             pin = self.pins.get(record.conversation_id, now)
-            if pin is not None:
+            if pin is not None and pin.decoder in self.by_name:
                 self.pins.pin(record.conversation_id, pin.decoder, now)
                 self._to_decoder(record, self.by_name[pin.decoder])
                 return
-        loads = [self.loads[p.name] for p in self.prefillers]
-        deadlines = prefill_deadlines(loads, request.prompt_tokens, request.cls.ttft_slo_s, self.config.prefill_latency)
-        chosen = choose_gain_oriented(loads, deadlines) or loads[0]
-        chosen.admitted_tokens += request.prompt_tokens
-        self.by_name[chosen.url].submit(request)
+        prefiller = self._route(self._ready(self.prefillers), request)
+        if prefiller is None:
+            self._pending.append(record)
+            return
+        self.loads[prefiller.name].admitted_tokens += request.prompt_tokens
+        prefiller.submit(request)
+
+    def _route(self, engines: list[SimEngine], request: SimRequest) -> SimEngine | None:
+        """The engine a new request enters, by ``routing`` (module docstring)."""
+        if not engines:
+            return None
+        routing = self.config.routing
+        loads = [self.loads[e.name] for e in engines]
+        if routing == "round-robin":
+            return engines[next(self._rotation) % len(engines)]
+        if routing == "least-loaded":
+            chosen = min(loads, key=lambda d: (d.waiting, d.occupancy(), d.url))
+        elif routing is None and not self.uses_prefillers:
+            chosen = choose_decoder(loads, self.config.full) or min(loads, key=lambda d: (d.occupancy(), d.url))
+        else:
+            deadlines = prefill_deadlines(loads, request.prompt_tokens, request.cls.ttft_slo_s,
+                                          self.config.prefill_latency)  # fmt: skip
+            chosen = choose_gain_oriented(loads, deadlines) or loads[0]
+        return self.by_name[chosen.url]
 
     def _emptiest_decoder(self) -> SimEngine:
-        loads = [self.loads[d.name] for d in self.decoders]
+        ready = self._ready(self.decoders) or self.decoders
+        loads = [self.loads[d.name] for d in ready]
         chosen = choose_decoder(loads, self.config.full) or min(loads, key=lambda d: (d.occupancy(), d.url))
         return self.by_name[chosen.url]
 
@@ -240,9 +578,18 @@ class PoolSim:
 
     def _finished(self, engine: SimEngine, request: SimRequest, now: float) -> None:
         record = self._record_of[request.request_id]
+        if record.turn == 0 and request.output >= 1 and not record.offline:
+            self.records_first_token.setdefault(record.conversation_id, request.token_times[0])
         if engine.stop_after_first and request.output < request.max_output_tokens:
             self.env.process(self._move_kv(record))
             return
+        if record.offline:
+            self.offline_tokens += request.prompt_tokens + request.output
+            self._offline_in_flight -= 1
+            if self._offline_done is not None and not self._offline_done.triggered:
+                self._offline_done.succeed()
+            return
+        self._output_5m.add(now, request.output)
         self._answered[(record.conversation_id, record.turn)].succeed()  # a one-token answer ends on the prefiller
 
     def _move_kv(self, record: TurnRecord) -> Process:
@@ -252,7 +599,7 @@ class PoolSim:
             request.prompt_tokens * self.config.kv_bytes_per_token / self.config.kv_bandwidth_bytes_per_s
         )
         decoder = self._emptiest_decoder()
-        if self.config.placement == "conversation":
+        if self.config.placement == "conversation" and not record.offline:
             self.pins.pin(record.conversation_id, decoder.name, self.env.now)
         request.computed = request.prompt_tokens  # the moved KV; the decoder holds it from here
         request.cached = request.prompt_tokens
