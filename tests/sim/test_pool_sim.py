@@ -12,7 +12,8 @@ import pytest
 from coserve.bench.workload import Conversation, Turn, agentic
 from coserve.scheduling import SlideConfig, StepCostModel
 from coserve.scheduling.requests import ClassRegistry
-from coserve.sim import PoolSim, SimConfig
+from coserve.autoscaling.policy import Replicas
+from coserve.sim import Observation, OfflineWork, PoolSim, SimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 COST = StepCostModel(k1=1e-4, k2=0.0, k3=0.0, k4=1e-6, k5=0.01)
@@ -29,10 +30,11 @@ def conversation(name: str, start: float, prompts: list[int], answer: int, gap: 
     return Conversation(name, start, tuple(turns))
 
 
-def run(conversations: list[Conversation], **config: object) -> PoolSim:
+def run(conversations: list[Conversation], scaler: object = None, **config: object) -> PoolSim:
     settings = {"prefillers": 1, "decoders": 1, "cost_model": COST, "kv_capacity_tokens": 100_000,
                 "slide": SlideConfig(max_tokens_per_step=512), **config}  # fmt: skip
-    sim = PoolSim(SimConfig(**settings), conversations, {c.conversation_id: CHAT for c in conversations})  # type: ignore[arg-type]
+    classes = {c.conversation_id: CHAT for c in conversations}
+    sim = PoolSim(SimConfig(**settings), conversations, classes, scaler=scaler)  # type: ignore[arg-type]
     sim.result = sim.run()  # type: ignore[attr-defined]
     return sim
 
@@ -117,3 +119,66 @@ def test_fast_forwarded_decoding_emits_every_token_when_the_step_by_step_run_doe
     for a, b in zip(exact.result.records, fast.result.records, strict=True):  # type: ignore[attr-defined]
         assert b.request.token_times == pytest.approx(a.request.token_times, abs=1e-9)
         assert a.decoder == b.decoder
+
+
+OFFLINE = ClassRegistry(
+    [{"name": "chat", "weight": 4, "ttftSloMs": 5000, "tpotSloMs": 500},
+     {"name": "offline", "weight": 1, "ttftSloMs": 3_600_000, "tpotSloMs": 10_000}]
+)  # fmt: skip
+
+
+def test_offline_work_keeps_its_concurrency_and_waits_for_spare_kv() -> None:
+    """The batch runner's rules: at most ``concurrency`` lines in flight, none while no decoder has spare KV."""
+    online = [conversation(f"c{i}", i * 0.5, [300, 400], 20, gap=0.5) for i in range(10)]
+    work = OfflineWork(OFFLINE.get("offline"), prompt_tokens=200, output_tokens=30, concurrency=3)
+    sim = run(online, offline=work)
+    done = [r.request for r in sim.offline_records if len(r.request.token_times) == r.request.max_output_tokens]
+    assert len(done) >= 10 and sim.result.offline_tokens == 230 * len(done)  # type: ignore[attr-defined]
+    spans = [(r.arrival_s, r.token_times[-1]) for r in done]
+    assert max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans) <= 3
+    gated = run(online, offline=OfflineWork(OFFLINE.get("offline"), concurrency=3, spare=0.0))
+    assert gated.offline_records == [] and gated.result.offline_tokens == 0  # type: ignore[attr-defined]
+    served = {r.request.request_id for r in sim.records if len(r.request.token_times) == r.request.max_output_tokens}
+    assert len(served) == 20  # every online turn still finished
+
+
+def test_round_robin_spreads_requests_over_the_engines() -> None:
+    singles = [conversation(f"c{i}", i * 0.01, [200], 5) for i in range(8)]
+    spread = run(singles, placement="per-request", decoders=4, routing="round-robin").result  # type: ignore[attr-defined]
+    assert sorted(r.decoder for r in spread.records) == sorted([f"decoder-{i}" for i in range(4)] * 2)
+
+
+def test_a_replica_the_scaler_adds_takes_work_only_after_start_up_and_a_removed_one_drains() -> None:
+    """Scale 1 -> 3 decoders at the first evaluation, then back to 1: nothing lands on a starting decoder,
+    and every conversation still finishes (the removed decoders drain what they started)."""
+    calls: list[float] = []
+
+    def scaler(now: float, current: Replicas, seen: Observation) -> Replicas:
+        calls.append(now)
+        return Replicas(1, 3 if len(calls) == 1 else 1)
+
+    workload = [conversation(f"c{i}", i * 0.25, [300, 350], 40, gap=0.3) for i in range(120)]
+    sim = run(workload, scale_warmup_s=5.0, scale_interval_s=10.0, startup_s=4.0, scaler=scaler)
+    result = sim.result  # type: ignore[attr-defined]
+    assert calls[:2] == [5.0, 15.0]
+    served = {r.decoder for r in result.records}
+    assert {"decoder-1", "decoder-2"} <= served  # the new decoders served
+    for name in ("decoder-1", "decoder-2"):  # asked for at 5 s, ready at 9 s: nothing reached them before
+        assert min(r.request.token_times[0] for r in result.records if r.decoder == name) >= 9.0
+    assert all(len(r.request.token_times) == r.request.max_output_tokens for r in result.records)
+    assert [n for t, _, n in result.replicas if t >= 16.0][:1] == [1]
+    assert result.replica_seconds["decoder"] > result.duration_s  # more than one decoder for a while
+
+
+def test_the_observation_reads_the_arrival_rate_over_two_minutes() -> None:
+    steady = [conversation(f"c{i}", i * 0.5, [100], 2) for i in range(400)]  # 2 conversations/s for 200 s
+    seen: list[Observation] = []
+
+    def scaler(now: float, current: Replicas, observed: Observation) -> Replicas:
+        seen.append(observed)
+        return current
+
+    run(steady, decoders=2, scaler=scaler, scale_warmup_s=150.0, scale_interval_s=1000.0)
+    assert seen[0].arrival_rate_per_s == pytest.approx(2.0, abs=0.02)
+    assert seen[0].input_tokens == pytest.approx(100)
+    assert seen[0].output_tokens == pytest.approx(2, abs=0.05)  # the latest arrivals are still answering

@@ -300,6 +300,7 @@ class PoolSim:
             self._add("decoder", ready_at=0.0)
         self.pins = PinTable(ttl_s=config.pin_ttl_s)
         self.records: list[TurnRecord] = []
+        self.offline_records: list[TurnRecord] = []
         self.first_arrival: dict[str, float] = {}
         self.replicas: list[tuple[float, int, int]] = []
         self.replica_seconds = {"prefiller": 0.0, "decoder": 0.0}
@@ -491,6 +492,7 @@ class PoolSim:
             )  # fmt: skip
             record = TurnRecord(request.conversation_id, 0, True, request, offline=True)
             self._record_of[request.request_id] = record
+            self.offline_records.append(record)
             self._place(record, first=True)
 
     def _conversation(self, conversation: Conversation) -> Process:
