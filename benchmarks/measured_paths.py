@@ -14,6 +14,16 @@ ENGINE = ("src/coserve/engine", "src/coserve/scheduling", "src/coserve/kv")
 ROUTER = ("src/coserve/router", "src/coserve/engine/conversations.py", "benchmarks/router_served.py")
 OPERATOR = ("src/coserve/operator", "src/coserve/api", "src/coserve/provisioning")
 GPU = ("benchmarks/gpu",)
+# what a simulated pool runs: the simulator and every policy it drives, and the workload generator
+SIM = (
+    "src/coserve/sim",
+    "src/coserve/scheduling",
+    "src/coserve/router/policy.py",
+    "src/coserve/autoscaling",
+    "src/coserve/provisioning",
+    "src/coserve/bench/workload.py",
+)
+AT_SCALE = (*HARNESS, *SIM, "benchmarks/simulator_at_scale.py")
 
 MEASURED: dict[str, tuple[str, ...]] = {
     "preemption_latency": (*HARNESS, *ENGINE, "benchmarks/preemption.py"),
@@ -28,7 +38,23 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "router_overhead": (*HARNESS, *ROUTER, "benchmarks/router_overhead.py"),
     "router_pins": (*HARNESS, *ROUTER, "benchmarks/router_overhead.py"),
     "reconcile": (*HARNESS, *OPERATOR, "benchmarks/reconcile.py"),
-    "autoscaling": (*HARNESS, "src/coserve/autoscaling", *OPERATOR, "benchmarks/autoscaling.py"),
+    "autoscaling": (*HARNESS, *SIM, "src/coserve/api", "benchmarks/autoscaling.py"),
+    # the simulator against the measured runs it predicts (their engines, router and scripts included)
+    "simulator_fidelity": (
+        *HARNESS,
+        *SIM,
+        *ENGINE,
+        *ROUTER,
+        "benchmarks/simulator_fidelity.py",
+        "benchmarks/ttfet.py",
+        "benchmarks/coserving.py",
+        "benchmarks/priority_scheduling.py",
+    ),
+    "ttfet_at_scale": AT_SCALE,
+    "goroute_at_scale": AT_SCALE,
+    "harvest_at_scale": AT_SCALE,
+    "plan_check": AT_SCALE,
+    "simulator_speed": AT_SCALE,
     # the GPU check's results (``*_cuda.json``) measure the GPU path as well
     "preemption_latency_cuda": (*HARNESS, *ENGINE, *GPU, "benchmarks/preemption.py"),
     "safepoint_overhead_cuda": (*HARNESS, *ENGINE, *GPU, "benchmarks/preemption.py"),

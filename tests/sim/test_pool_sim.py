@@ -182,3 +182,21 @@ def test_the_observation_reads_the_arrival_rate_over_two_minutes() -> None:
     assert seen[0].arrival_rate_per_s == pytest.approx(2.0, abs=0.02)
     assert seen[0].input_tokens == pytest.approx(100)
     assert seen[0].output_tokens == pytest.approx(2, abs=0.05)  # the latest arrivals are still answering
+
+
+def test_the_command_mixes_classes_harvests_offline_work_autoscales_and_plots(tmp_path: Path) -> None:
+    profile = str(ROOT / "examples/profile-h100-published.yaml")
+    command = [sys.executable, "-m", "coserve", "simulate", str(ROOT / "examples/pool.yaml"), "--profile", profile,
+               "--conversations", "40", "--first", "2000", "--class-mix", "interactive=1,standard=3",
+               "--offline-concurrency", "4", "--autoscale", "--startup", "5", "-o", "json",
+               "--plot", str(tmp_path / "sim.png")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
+    report = json.loads(done.stdout)
+    assert set(report["classes"]) == {"interactive", "standard"}
+    assert report["classes"]["standard"]["requests"] > report["classes"]["interactive"]["requests"]
+    assert report["offline_tokens_per_s"] > 0
+    assert report["setup"]["autoscale"] and report["replicas"]["series"]
+    assert report["plan"]["bottleneck"] == "Prefiller" and report["first_bottleneck"] is not None
+    assert (tmp_path / "sim.png").stat().st_size > 10_000
+    bad = subprocess.run([*command, "--class-mix", "gold=1"], capture_output=True, text=True, check=False, cwd=ROOT)
+    assert bad.returncode == 2 and "--class-mix: unknown class 'gold'" in bad.stderr

@@ -1,22 +1,27 @@
 """``coserve simulate``: a CoServePool on a simulated clock, with coserve's own policies deciding.
 
     coserve simulate POOL.yaml [--profile FILE] [--workload agentic|mooncake|azure] [--trace FILE]
-                     [--prefillers N --decoders N] [--policy conversation|per-turn|per-request]
-                     [--class NAME] [-o table|json]
+                     [--prefillers N --decoders N | --autoscale] [--policy conversation|per-turn|per-request]
+                     [--routing goroute|round-robin|least-loaded] [--class NAME | --class-mix NAME=SHARE,...]
+                     [--offline-concurrency N] [--seed S] [-o table|json] [--plot FILE]
 
 Who calls it: ``coserve.cli.main`` registers it with ``add_simulate_command``.
 The pool's sizes default to its plan (``coserve plan``); its classes, KV
-capacity and step budget come from the spec; the step cost model from the
-profile (``--profile``, a file ``coserve profile`` wrote, or one in
-``examples/``). The simulation itself is ``coserve.sim``.
+capacity, offline class and autoscaling bounds come from the spec; the step
+cost model from the profile (``--profile``, a file ``coserve profile`` wrote,
+or one in ``examples/``). The simulation itself is ``coserve.sim``; the report
+(``summarize``) adds the plan's first bottleneck beside the one observed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from coserve.api.problems import InvalidInput, Problem
@@ -45,7 +50,35 @@ def add_simulate_command(commands: Any, add_profile_option: Any) -> None:
         default="conversation",
         help="placement: coserve's conversation-level P/D (default), per-turn P/D, or a per-request balancer",
     )
+    simulate.add_argument(
+        "--routing",
+        choices=("goroute", "round-robin", "least-loaded"),
+        help="how a new request picks its prefiller (or engine, per-request): GoRouting (the router's, default "
+        "for prefillers), round-robin or least-loaded (default for per-request: the lowest KV occupancy)",
+    )
+    simulate.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="let coserve's autoscaler resize the pool every spec.autoscaling.evaluationIntervalS, within its bounds",
+    )
+    simulate.add_argument(
+        "--startup", type=float, default=60.0, help="seconds a new replica takes to serve (default 60)"
+    )
     simulate.add_argument("--class", dest="cls", help="the priority class of every request (default: the top one)")
+    simulate.add_argument(
+        "--class-mix",
+        metavar="NAME=SHARE,...",
+        help="conversations drawn at random (--seed) from these classes in these shares, e.g. "
+        "interactive=0.3,batch=0.7",
+    )
+    simulate.add_argument(
+        "--offline-concurrency",
+        type=int,
+        default=0,
+        help="offline batch lines in flight at the spec's offline class (default 0: no offline work)",
+    )
+    simulate.add_argument("--offline-prompt", type=int, default=512, help="offline prompt tokens (default 512)")
+    simulate.add_argument("--offline-output", type=int, default=64, help="offline output tokens (default 64)")
     simulate.add_argument("--max-num-seqs", type=int, default=256, help="running requests per engine (default 256)")
     simulate.add_argument(
         "--kv-bandwidth", type=float, default=25.0, help="prefiller-to-decoder KV link, GB/s (default 25)"
@@ -53,75 +86,131 @@ def add_simulate_command(commands: Any, add_profile_option: Any) -> None:
     simulate.add_argument(
         "--kv-bytes-per-token", type=float, default=131072, help="KV bytes per token (default: an 8B Llama, bf16)"
     )
+    simulate.add_argument("--plot", metavar="FILE", help="write a PNG: TTFET, KV occupancy and replicas over time")
     simulate.add_argument("-o", "--output", choices=("table", "json"), default="table")
     simulate.set_defaults(handler=_cmd_simulate)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from coserve.autoscaling.policy import thresholds_for
     from coserve.cli.main import _load  # the same pool + profile + plan loading as `coserve plan`
+    from coserve.provisioning.profile import resolve_profile
     from coserve.scheduling import SlideConfig
     from coserve.scheduling.requests import ClassRegistry
-    from coserve.sim import PoolSim, SimConfig
+    from coserve.sim import OfflineWork, PoolSim, SimConfig, coserve_scaler
 
     problems = check_workload(args)
     for flag, value in (("--prefillers", args.prefillers), ("--decoders", args.decoders),
-                        ("--max-num-seqs", args.max_num_seqs)):  # fmt: skip
+                        ("--max-num-seqs", args.max_num_seqs), ("--offline-prompt", args.offline_prompt),
+                        ("--offline-output", args.offline_output)):  # fmt: skip
         if value is not None and value < 1:
             problems.append(Problem(flag, f"must be at least 1, got {value}"))
+    if args.offline_concurrency < 0:
+        problems.append(Problem("--offline-concurrency", f"must not be negative, got {args.offline_concurrency}"))
     for flag, value in (("--kv-bandwidth", args.kv_bandwidth), ("--kv-bytes-per-token", args.kv_bytes_per_token)):
         if not value > 0:
             problems.append(Problem(flag, f"must be a positive number, got {value}"))
+    if args.startup < 0:
+        problems.append(Problem("--startup", f"must not be negative, got {args.startup}"))
+    if args.cls and args.class_mix:
+        problems.append(Problem("--class-mix", "give --class or --class-mix, not both"))
     if problems:
         raise InvalidInput(problems, source="coserve simulate")
     pool, measured, plan = _load(args)
     spec = pool.spec
     classes = ClassRegistry([c.model_dump(by_alias=True, exclude_none=True) for c in spec.priority_classes])
-    name = args.cls or min((classes.get(n) for n in classes.names), key=lambda c: c.rank).name
-    if name not in classes.names:
-        raise InvalidInput([Problem("--class", f"unknown class {name!r}; the pool has {', '.join(classes.names)}")])
+    mix = _class_mix(args, classes)
     cost, note = _cost_model(measured, spec)
-    kv_capacity = (measured.kv_capacity_tokens if measured and measured.kv_capacity_tokens else None) or (
-        spec.profile.kv_capacity_tokens if spec.profile else None
-    )
-    if not kv_capacity:
-        raise InvalidInput([Problem("spec.profile.kvCapacityTokens", "the simulator needs the engines' KV capacity")])
+    profile = resolve_profile(spec, measured)
     prefillers = args.prefillers or plan.prefillers
     decoders = args.decoders or plan.decoders
-    curve = spec.profile.prefill_latency if spec.profile else None
+    curve = profile.prefill_latency
+    offline = None
+    if args.offline_concurrency:
+        if spec.offline.class_name not in classes.names:
+            raise InvalidInput([Problem("spec.offline.className", f"{spec.offline.class_name!r} is not a class")])
+        offline = OfflineWork(classes.get(spec.offline.class_name), args.offline_prompt, args.offline_output,
+                              args.offline_concurrency)  # fmt: skip
     config = SimConfig(
         prefillers=prefillers,
         decoders=decoders,
         cost_model=cost,
-        kv_capacity_tokens=int(kv_capacity),
+        kv_capacity_tokens=int(profile.kv_capacity_tokens),
         placement=args.policy,
+        routing=args.routing,
         max_num_seqs=args.max_num_seqs,
         slide=SlideConfig(),
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_bandwidth_bytes_per_s=args.kv_bandwidth * 1e9,
-        prefill_latency=(curve.constant_s, curve.per_token_s, curve.per_token_squared_s) if curve else None,
+        prefill_latency=(curve.constant_s, curve.per_token_s, curve.per_token_squared_s),
+        offline=offline,
+        startup_s=args.startup,
+        scale_interval_s=float(spec.autoscaling.evaluation_interval_s),
     )
     conversations = workload_from(args)
     if not conversations:
         raise InvalidInput([Problem("--trace", "the workload has no conversation")], source="coserve simulate")
+    rng = random.Random(args.seed)  # noqa: S311 - a reproducible class draw, not a secret
+    names, shares = zip(*mix.items(), strict=True)
+    class_of = {c.conversation_id: classes.get(rng.choices(names, shares)[0]) for c in conversations}
     turns = sum(len(c.turns) for c in conversations)
+    sizing = "autoscaled from " if args.autoscale else ""
     print(
-        f"coserve simulate: {len(conversations)} {args.workload} conversations ({turns} requests), class {name!r}, "
-        f"{prefillers} prefillers + {decoders} decoders, {args.policy} placement; {note}",
+        f"coserve simulate: {len(conversations)} {args.workload} conversations ({turns} requests), classes "
+        f"{', '.join(f'{n} {v:.0%}' for n, v in mix.items())}; {sizing}{prefillers} prefillers + {decoders} "
+        f"decoders, {args.policy} placement; {note}",
         file=sys.stderr,
     )
+    scaler = coserve_scaler(spec, thresholds_for(spec), measured) if args.autoscale else None
     started = time.perf_counter()
-    cls = classes.get(name)
-    result = PoolSim(config, conversations, {c.conversation_id: cls for c in conversations}).run()
-    report = summarize(result, time.perf_counter() - started)
-    report["setup"] = {"prefillers": prefillers, "decoders": decoders, "policy": args.policy, "class": name,
-                       "cost_model": cost.to_dict(), "cost_model_source": note,
-                       "kv_capacity_tokens": int(kv_capacity)}  # fmt: skip
+    result = PoolSim(config, conversations, class_of, scaler=scaler).run()
+    report = summarize(result, time.perf_counter() - started, profile.decode_throughput_tokens_per_s)
+    report["plan"] = {"prefillers": plan.prefillers, "decoders": plan.decoders, "bottleneck": str(plan.bottleneck)}
+    report["setup"] = {"prefillers": prefillers, "decoders": decoders, "autoscale": args.autoscale,
+                       "policy": args.policy, "routing": args.routing, "classes": mix,
+                       "offline_concurrency": args.offline_concurrency, "cost_model": cost.to_dict(),
+                       "cost_model_source": note, "kv_capacity_tokens": int(profile.kv_capacity_tokens)}  # fmt: skip
     if args.output == "json":
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print_table(report)
+    if args.plot:
+        plot(Path(args.plot), result, report)
     return 0
+
+
+def _class_mix(args: argparse.Namespace, classes: Any) -> dict[str, float]:
+    """Class name -> share of conversations: ``--class-mix``, ``--class``, or the top class."""
+    if not args.class_mix:
+        name = args.cls or min((classes.get(n) for n in classes.names), key=lambda c: c.rank).name
+        if name not in classes.names:
+            raise InvalidInput(
+                [Problem("--class", f"unknown class {name!r}; the pool has {', '.join(classes.names)}")],
+                source="coserve simulate",
+            )
+        return {name: 1.0}
+    mix: dict[str, float] = {}
+    for item in args.class_mix.split(","):
+        name, _, share = item.partition("=")
+        name = name.strip()
+        if name not in classes.names:
+            raise InvalidInput(
+                [Problem("--class-mix", f"unknown class {name!r}; the pool has {', '.join(classes.names)}")]
+            )
+        try:
+            value = float(share)
+        except ValueError:
+            raise InvalidInput(
+                [Problem("--class-mix", f"{item!r}: expected NAME=SHARE with a number")], source="coserve simulate"
+            ) from None
+        if not (value > 0 and math.isfinite(value)):
+            raise InvalidInput(
+                [Problem("--class-mix", f"{item!r}: a share must be a positive number")], source="coserve simulate"
+            )
+        mix[name] = value
+    total = sum(mix.values())
+    return {name: value / total for name, value in mix.items()}
 
 
 def _cost_model(measured: Any, spec: Any) -> tuple[Any, str]:
@@ -140,8 +229,9 @@ def _cost_model(measured: Any, spec: Any) -> tuple[Any, str]:
     return model, "step cost model from spec.profile.prefillLatency (context cost unknown: pass --profile)"
 
 
-def summarize(result: Any, wall_s: float) -> dict[str, Any]:
-    """Per class and per conversation figures of a run, percentiles only from enough samples."""
+def summarize(result: Any, wall_s: float, decode_tokens_per_s: float | None = None) -> dict[str, Any]:
+    """Per class and per conversation figures of a run (percentiles only from enough samples), the engines'
+    utilisation, KV occupancy, replicas over time, offline throughput and the first bottleneck observed."""
     from coserve.bench.workload import percentile
 
     def pct(values: list[float], q: int, minimum: int) -> float | None:
@@ -159,12 +249,25 @@ def summarize(result: Any, wall_s: float) -> dict[str, Any]:
             **{f"tpot_p{q}_s": pct(row["tpot_s"], q, n) for q, n in ((50, 10), (95, 100), (99, 200))},
         }
     ttfet = result.ttfet_s()
+    duration = result.duration_s
+    kv = {name: [u for _, u in series] for name, series in result.kv_occupancy.items() if series}
+    counts = [(p, d) for _, p, d in result.replicas]
     return {
         "classes": classes,
         "ttfet": {"n": len(ttfet), **{f"p{q}_s": pct(ttfet, q, n) for q, n in ((50, 10), (95, 100), (99, 200))}},
-        "simulated_s": result.duration_s,
+        "simulated_s": duration,
         "wall_s": wall_s,
-        "busy_fraction": {k: v / result.duration_s for k, v in result.busy_s.items()} if result.duration_s else {},
+        "busy_fraction": {k: v / duration for k, v in result.busy_s.items()} if duration else {},
+        "utilisation": result.utilisation(decode_tokens_per_s),
+        "first_bottleneck": result.first_bottleneck(decode_tokens_per_s),
+        "decoder_kv_occupancy": {n: {"mean": sum(v) / len(v), "peak": max(v)} for n, v in kv.items()},
+        "replicas": {
+            "prefillers": {"min": min(p for p, _ in counts), "max": max(p for p, _ in counts)} if counts else None,
+            "decoders": {"min": min(d for _, d in counts), "max": max(d for _, d in counts)} if counts else None,
+            "replica_hours": {k: v / 3600 for k, v in result.replica_seconds.items()},
+            "series": [[round(t, 3), p, d] for t, p, d in result.replicas],
+        },
+        "offline_tokens_per_s": result.offline_tokens / duration if duration else 0.0,
     }
 
 
@@ -181,7 +284,65 @@ def print_table(report: dict[str, Any]) -> None:
         )
     ttfet = report["ttfet"]
     print(f"TTFET over {ttfet['n']} conversations: p50 {s(ttfet['p50_s'])} s, p95 {s(ttfet['p95_s'])} s")
-    busy = report["busy_fraction"]
-    if busy:
-        print("busy: " + ", ".join(f"{k} {v:.0%}" for k, v in sorted(busy.items())))
+    if report["offline_tokens_per_s"]:
+        print(f"offline: {report['offline_tokens_per_s']:,.0f} tokens/s harvested")
+    use = report["utilisation"]
+    print("utilisation: " + ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in use.items()))
+    kv = report["decoder_kv_occupancy"]
+    if kv:
+        peak = max(v["peak"] for v in kv.values())
+        print(f"decoder KV occupancy: mean {sum(v['mean'] for v in kv.values()) / len(kv):.0%}, peak {peak:.0%}")
+    replicas = report["replicas"]
+    if replicas["decoders"]:
+        hours = replicas["replica_hours"]
+        print(
+            f"replicas: prefillers {replicas['prefillers']['min']}-{replicas['prefillers']['max']}, decoders "
+            f"{replicas['decoders']['min']}-{replicas['decoders']['max']} "
+            f"({hours['prefiller'] + hours['decoder']:.2f} replica-hours)"
+        )
+    plan = report.get("plan")
+    if plan:
+        print(f"first bottleneck: observed {report['first_bottleneck']}, the plan's {plan['bottleneck']}")
     print(f"simulated {report['simulated_s']:.0f} s in {report['wall_s']:.1f} s")
+
+
+def plot(path: Path, result: Any, report: dict[str, Any]) -> None:
+    """TTFET's distribution, each decoder's KV occupancy and the replica counts over simulated time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'coserve[bench]')", file=sys.stderr)
+        return
+    figure, (ttfet_axis, kv_axis, replica_axis) = plt.subplots(1, 3, figsize=(14, 3.6))
+    ttfet = sorted(result.ttfet_s())
+    if ttfet:
+        ttfet_axis.plot(ttfet, [(i + 1) / len(ttfet) for i in range(len(ttfet))])
+    ttfet_axis.set_xlabel("TTFET (s)")
+    ttfet_axis.set_ylabel("fraction of conversations")
+    for name, series in sorted(result.kv_occupancy.items()):
+        if series:
+            kv_axis.plot([t for t, _ in series], [u for _, u in series], linewidth=0.8, label=name)
+    kv_axis.set_xlabel("simulated time (s)")
+    kv_axis.set_ylabel("decoder KV occupancy")
+    if len(result.kv_occupancy) <= 8:
+        kv_axis.legend(fontsize=7)
+    times = [t for t, _, _ in result.replicas]
+    replica_axis.step(times, [p for _, p, _ in result.replicas], where="post", label="prefillers")
+    replica_axis.step(times, [d for _, _, d in result.replicas], where="post", label="decoders")
+    replica_axis.set_xlabel("simulated time (s)")
+    replica_axis.set_ylabel("replicas asked for")
+    replica_axis.yaxis.set_major_locator(MaxNLocator(integer=True))
+    replica_axis.legend(fontsize=7)
+    for axis in (ttfet_axis, kv_axis, replica_axis):
+        axis.grid(alpha=0.3)
+    setup = report["setup"]
+    figure.suptitle(f"coserve simulate: {setup['policy']} placement, first bottleneck {report['first_bottleneck']}")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    print(f"plot: {path}", file=sys.stderr)

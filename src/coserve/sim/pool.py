@@ -237,11 +237,12 @@ class SimResult:
         return out
 
     def first_bottleneck(self, decode_tokens_per_s: float | None = None) -> str | None:
-        """The resource closest to saturation: ``prefiller``, ``decoder compute`` or ``decoder KV``."""
+        """The resource closest to saturation, named as the plan names it: ``Prefiller`` (busy time),
+        ``DecoderThroughput`` (tokens/s over T_d) or ``DecoderMemory`` (mean KV occupancy)."""
         use = self.utilisation(decode_tokens_per_s)
         compute = use.get("decoder_compute", use.get("decoder_busy"))
-        named = {"prefiller": use.get("prefiller_busy"), "decoder compute": compute,
-                 "decoder KV": use.get("decoder_kv")}  # fmt: skip
+        named = {"Prefiller": use.get("prefiller_busy"), "DecoderThroughput": compute,
+                 "DecoderMemory": use.get("decoder_kv")}  # fmt: skip
         known = {k: v for k, v in named.items() if v is not None}
         return max(known, key=lambda k: known[k]) if known else None
 
