@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from coserve.autoscaling.policy import Replicas
 from coserve.bench.workload import Conversation, Turn, agentic
 from coserve.scheduling import SlideConfig, StepCostModel
 from coserve.scheduling.requests import ClassRegistry
-from coserve.autoscaling.policy import Replicas
 from coserve.sim import Observation, OfflineWork, PoolSim, SimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
