@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from coserve.autoscaling.policy import Replicas
-from coserve.bench.workload import Conversation, Turn, agentic
+from coserve.bench.workload import Conversation, Turn, agentic, from_mooncake
 from coserve.scheduling import SlideConfig, StepCostModel
 from coserve.scheduling.requests import ClassRegistry
 from coserve.sim import Observation, OfflineWork, PoolSim, SimConfig
@@ -200,3 +200,19 @@ def test_the_command_mixes_classes_harvests_offline_work_autoscales_and_plots(tm
     assert (tmp_path / "sim.png").stat().st_size > 10_000
     bad = subprocess.run([*command, "--class-mix", "gold=1"], capture_output=True, text=True, check=False, cwd=ROOT)
     assert bad.returncode == 2 and "--class-mix: unknown class 'gold'" in bad.stderr
+
+
+def test_a_trace_read_for_lengths_only_has_the_same_turns() -> None:
+    """The simulator reads traces without drawing prompt tokens; lengths, answers and times are the same."""
+    trace = ROOT.parent / "shared/traces/mooncake_conversation.jsonl"
+    if not trace.exists():
+        pytest.skip(f"the shared Mooncake trace is not at {trace}")
+    rows = [json.loads(line) for line in trace.read_text().splitlines()[:300]]
+    full = from_mooncake(rows, scale=0.1)
+    light = from_mooncake(rows, scale=0.1, lengths_only=True)
+    assert [(c.conversation_id, c.start_s) for c in full] == [(c.conversation_id, c.start_s) for c in light]
+    for a, b in zip(full, light, strict=True):
+        assert [(t.num_prompt_tokens, t.max_tokens, t.arrival_s) for t in a.turns] == [
+            (t.num_prompt_tokens, t.max_tokens, t.arrival_s) for t in b.turns
+        ]
+        assert all(t.prompt == () for t in b.turns)

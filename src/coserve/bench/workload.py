@@ -49,6 +49,11 @@ class Turn:
     max_tokens: int
     gap_s: float = 0.0  # wait this long after the previous turn's answer before sending
     arrival_s: float | None = None  # the trace's own arrival time (from the run's start), when it has one
+    length: int = 0  # the prompt's length when ``prompt`` is left empty (a trace read for the simulator)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt) or self.length
 
 
 @dataclass(frozen=True)
@@ -117,8 +122,10 @@ def from_mooncake(
     max_conversations: int | None = None,
     max_input_tokens: int | None = None,
     max_output_tokens: int | None = None,
+    lengths_only: bool = False,
 ) -> list[Conversation]:
-    """The Mooncake conversation trace as conversations (module rules)."""
+    """The Mooncake conversation trace as conversations (module rules); ``lengths_only``: no prompt tokens,
+    only their number (``Turn.length``), which is all the simulator reads and far quicker to build."""
     _check_replay(speedup, scale)
     block = _scaled(MOONCAKE_BLOCK_TOKENS, scale)
     grouped: dict[tuple[int, ...], list[Mapping[str, object]]] = {}
@@ -134,12 +141,15 @@ def from_mooncake(
     for key, requests in grouped.items():
         steps = []
         for row in requests:
-            prompt: list[int] = []
-            for hash_id in row["hash_ids"]:  # type: ignore[attr-defined]
-                prompt += _tokens(random.Random(int(hash_id)), block)  # noqa: S311 - a block's tokens from its id
             length, output = _lengths(row["input_length"], row["output_length"], scale, max_input_tokens,
                                       max_output_tokens)  # fmt: skip
             arrival = float(row["timestamp"]) / 1000.0 / speedup  # type: ignore[arg-type]
+            if lengths_only:
+                steps.append(Turn((), output, arrival_s=arrival, length=length))
+                continue
+            prompt: list[int] = []
+            for hash_id in row["hash_ids"]:  # type: ignore[attr-defined]
+                prompt += _tokens(random.Random(int(hash_id)), block)  # noqa: S311 - a block's tokens from its id
             steps.append(Turn(tuple(prompt[:length]), output, arrival_s=arrival))
         start = steps[0].arrival_s or 0.0
         conversations.append(Conversation("mooncake-" + "-".join(map(str, key)), start, tuple(steps)))
@@ -155,8 +165,10 @@ def from_azure(
     max_input_tokens: int | None = None,
     max_output_tokens: int | None = None,
     seed: int = 0,
+    lengths_only: bool = False,
 ) -> list[Conversation]:
-    """The Azure LLM trace (``TIMESTAMP,ContextTokens,GeneratedTokens``): one-turn conversations."""
+    """The Azure LLM trace (``TIMESTAMP,ContextTokens,GeneratedTokens``): one-turn conversations
+    (``lengths_only`` as ``from_mooncake``)."""
     _check_replay(speedup, scale)
     rng = random.Random(seed)  # noqa: S311 - reproducible load, not secrets
     result: list[Conversation] = []
@@ -169,7 +181,10 @@ def from_azure(
         length, output = _lengths(row["ContextTokens"], row["GeneratedTokens"], scale, max_input_tokens,
                                   max_output_tokens)  # fmt: skip
         arrival = (stamp - origin).total_seconds() / speedup
-        turn = Turn(tuple(_tokens(rng, length)), output, arrival_s=arrival)
+        if lengths_only:
+            turn = Turn((), output, arrival_s=arrival, length=length)
+        else:
+            turn = Turn(tuple(_tokens(rng, length)), output, arrival_s=arrival)
         result.append(Conversation(f"azure-{index}", arrival, (turn,)))
     return result
 

@@ -95,8 +95,10 @@ def _check(args: argparse.Namespace) -> list[Problem]:
     return problems
 
 
-def workload_from(args: argparse.Namespace) -> list[Any]:
-    """The conversations the shared workload flags describe; ``InvalidInput`` for an unreadable trace."""
+def workload_from(args: argparse.Namespace, lengths_only: bool = False) -> list[Any]:
+    """The conversations the shared workload flags describe; ``InvalidInput`` for an unreadable trace.
+
+    ``lengths_only`` (the simulator): trace prompts carry their length, not their tokens."""
     from coserve.bench import workload
 
     if args.workload == "agentic":
@@ -104,7 +106,8 @@ def workload_from(args: argparse.Namespace) -> list[Any]:
                                 args.gap, args.seed)  # fmt: skip
     path = Path(args.trace) if args.trace else DEFAULT_TRACES[args.workload]
     replay = {"speedup": args.speedup, "scale": args.scale, "max_conversations": args.conversations,
-              "max_input_tokens": args.max_input, "max_output_tokens": args.max_output}  # fmt: skip
+              "max_input_tokens": args.max_input, "max_output_tokens": args.max_output,
+              "lengths_only": lengths_only}  # fmt: skip
     try:
         with path.open(newline="") as handle:
             if args.workload == "mooncake":

@@ -147,7 +147,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         startup_s=args.startup,
         scale_interval_s=float(spec.autoscaling.evaluation_interval_s),
     )
-    conversations = workload_from(args)
+    conversations = workload_from(args, lengths_only=True)
     if not conversations:
         raise InvalidInput([Problem("--trace", "the workload has no conversation")], source="coserve simulate")
     rng = random.Random(args.seed)  # noqa: S311 - a reproducible class draw, not a secret

@@ -507,7 +507,7 @@ class PoolSim:
                 yield env.timeout(max(wait, 0.0))
             request = SimRequest(
                 request_id=f"r{next(self._ids)}", conversation_id=conversation.conversation_id, cls=cls,
-                arrival_s=env.now, prompt_tokens=len(turn.prompt), max_output_tokens=max(1, turn.max_tokens),
+                arrival_s=env.now, prompt_tokens=turn.num_prompt_tokens, max_output_tokens=max(1, turn.max_tokens),
             )  # fmt: skip
             record = TurnRecord(conversation.conversation_id, index, index == len(conversation.turns) - 1, request)
             answered = env.event()
