@@ -144,8 +144,9 @@ def from_mooncake(
             length, output = _lengths(row["input_length"], row["output_length"], scale, max_input_tokens,
                                       max_output_tokens)  # fmt: skip
             arrival = float(row["timestamp"]) / 1000.0 / speedup  # type: ignore[arg-type]
-            if lengths_only:
-                steps.append(Turn((), output, arrival_s=arrival, length=length))
+            if lengths_only:  # as long as the tokens would be: its blocks, cut at its length
+                blocks = len(row["hash_ids"]) * block  # type: ignore[arg-type]
+                steps.append(Turn((), output, arrival_s=arrival, length=min(length, blocks)))
                 continue
             prompt: list[int] = []
             for hash_id in row["hash_ids"]:  # type: ignore[attr-defined]
