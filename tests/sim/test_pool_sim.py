@@ -216,3 +216,16 @@ def test_a_trace_read_for_lengths_only_has_the_same_turns() -> None:
             (t.num_prompt_tokens, t.max_tokens, t.arrival_s) for t in b.turns
         ]
         assert all(t.prompt == () for t in b.turns)
+
+
+def test_a_batched_step_charges_each_request_attention_over_its_own_context_only() -> None:
+    """Two 100-token requests decode together: the step's attention is k2·Σ 1·(1 + 100), not k2·2·(2 + 200)."""
+    cost = StepCostModel(k1=1e-4, k2=1e-5, k3=0.0, k4=1e-6, k5=0.01)
+    pair = [conversation("a", 0.0, [100], 3), conversation("b", 0.0, [100], 3)]
+    sim = run(pair, placement="per-request", cost_model=cost)
+    a, b = (r.request for r in sim.result.records)  # type: ignore[attr-defined]
+    assert a.token_times == b.token_times
+    decode = a.token_times[1] - a.token_times[0]
+    per_request = 2 * 1e-4 + 1e-6 * (2 + 200) + 1e-5 * 2 * (1 + 100) + 0.01
+    assert decode == pytest.approx(per_request)
+    assert decode < cost.latency_s(2, 200) - 1e-3  # the totals' cross term would charge 2·202 instead of 202

@@ -6,7 +6,8 @@ the pool's clock. Nothing here copies a policy: each step builds the same
 ``SchedRequest`` views the TDG scheduler builds inside vLLM, asks
 ``SlideBatching.decide`` (with the free running slots, as the scheduler does),
 and lasts what the step cost model predicts for the tokens it computes over the
-context it reads.
+context it reads (each request's new tokens attending to its own context:
+``SimEngine.step_s``).
 
 What an engine models, as vLLM does:
 
@@ -176,7 +177,7 @@ class SimEngine:
             steps = self._steady_steps(scheduled, decision) if self.fast_forward else 1
             if steps <= 1:
                 new_tokens = sum(scheduled.values())
-                duration = self.cost_model.latency_s(new_tokens, sum(r.computed for r in scheduled))
+                duration = self.step_s([(tokens, r.computed) for r, tokens in scheduled.items()])
                 yield env.timeout(duration)
                 self._account(duration, new_tokens)
                 self._advance(scheduled, env.now)
@@ -204,7 +205,7 @@ class SimEngine:
         context = sum(r.computed for r in scheduled)
         final_context = context + n * (steps - 1)
         model = self.cost_model
-        slowest = model.latency_s(n, final_context)
+        slowest = self._decode_step_s(n, final_context)
         creep = model.latency_s(1, final_context + 1) - model.latency_s(1, final_context)  # a decode's work grows
         if slowest + creep > min(r.cls.tpot_slo_s for r in scheduled):
             return 1
@@ -223,7 +224,7 @@ class SimEngine:
         ends: list[float] = []
         now = started
         for step in range(steps):
-            now += self.cost_model.latency_s(n, context + n * step)
+            now += self._decode_step_s(n, context + n * step)
             ends.append(now)
         self._wake = env.event()
         yield self._wake | env.timeout(ends[-1] - started)
@@ -243,6 +244,26 @@ class SimEngine:
         for request in batch:
             if request.output >= request.max_output_tokens:
                 self._leave(request, ends[done - 1])
+
+    def step_s(self, pieces: list[tuple[int, int]]) -> float:
+        """How long a step runs: the cost model with each request's new tokens attending to its own context.
+
+        ``pieces``: (new tokens, cached context) per request. ``latency(P, C)`` was fitted on one request per
+        step; in a batch the attention term k2 sums over requests (k2·Σ p·(p + c)), because a request's
+        tokens attend to its own context only, while the per-token and context-reading terms use the
+        batch's totals. Read with the batch's totals, k2 would charge every new token for every other
+        request's context: 64 decodes at 16k tokens each would cost 64 times the attention they do.
+        """
+        model = self.cost_model
+        new = sum(p for p, _ in pieces)
+        context = sum(c for _, c in pieces)
+        attention = sum(p * (p + c) for p, c in pieces)
+        return max((model.k1 + model.k3) * new + model.k4 * (new + context) + model.k2 * attention + model.k5, 0.0)
+
+    def _decode_step_s(self, n: int, context: int) -> float:
+        """``step_s`` of ``n`` one-token decodes over ``context`` cached tokens in all."""
+        model = self.cost_model
+        return max((model.k1 + model.k3) * n + (model.k4 + model.k2) * (n + context) + model.k5, 0.0)
 
     def _account(self, duration: float, new_tokens: int) -> None:
         self.busy_s += duration
