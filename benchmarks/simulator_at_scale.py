@@ -87,6 +87,10 @@ THREE_CLASSES = [
     {"name": "batch", "weight": 1, "ttftSloMs": 30_000, "tpotSloMs": 500},
 ]
 CLASS_MIX = {"interactive": 0.3, "standard": 0.3, "batch": 0.4}
+# The pool's online class for the agentic runs: the spec's "standard" (TTFT 5 s, TPOT 200 ms), about the paper's
+# 5x-unloaded threshold for a 15k-token first turn (0.85 s to prefill and move here); "interactive" (1 s) is
+# not a target a 15k-token prompt can meet with any queueing at all.
+ONLINE = "standard"
 HARVEST_TARGET = 0.8
 ONLINE_ATTAINMENT = 0.99
 SPEED_TARGET_S = 60.0
@@ -122,7 +126,26 @@ class Setting:
         self.kv_capacity = int(self.profile.kv_capacity_tokens)
         self.decode_tps = float(self.profile.decode_throughput_tokens_per_s)
 
-    def plan(self, rate: float, input_tokens: int, output_tokens: int, lifetime_s: float, headroom: float = 1.5):
+    def decode_tps_at(self, live_context_tokens: int) -> float:
+        """T_d at the workload's context: the tokens/s of a decoder full of conversations (B of them, each
+        holding ``live_context_tokens``), by the simulated engine's own step time. The published profile's
+        T_d was estimated at 2k tokens of context; reading KV for 16k makes every step several times longer."""
+        slots = max(1, self.kv_capacity // live_context_tokens)
+        model = self.cost
+        step = (model.k1 + model.k3) * slots + (model.k4 + model.k2) * (slots + slots * live_context_tokens) + model.k5
+        return slots / step
+
+    def plan(
+        self,
+        rate: float,
+        input_tokens: int,
+        output_tokens: int,
+        lifetime_s: float,
+        headroom: float = 1.5,
+        decode_at_context: bool = True,
+    ):
+        """The plan for this workload; ``decode_at_context``: with T_d at its live context (``decode_tps_at``),
+        else the profile's T_d as published."""
         workload = self.spec.workload.model_copy(
             update={
                 "arrival_rate_per_s": rate,
@@ -133,7 +156,11 @@ class Setting:
         )
         profile = self.spec.profile.model_copy(update={"live_context_tokens": input_tokens + output_tokens})
         spec = self.spec.model_copy(update={"workload": workload, "profile": profile, "headroom": headroom})
-        return plan_for(spec, self.profile)
+        engine = self.profile
+        if decode_at_context:
+            t_d = self.decode_tps_at(input_tokens + output_tokens)
+            engine = engine.model_copy(update={"decode_throughput_tokens_per_s": t_d})
+        return plan_for(spec, engine)
 
     def config(self, prefillers: int, decoders: int, **overrides: Any) -> SimConfig:
         return SimConfig(
@@ -216,7 +243,7 @@ def shape_of(conversations: Sequence[Conversation], lifetime_s: float) -> dict[s
 def placements_at(
     setting: Setting, prefillers: int, decoders: int, conversations: Sequence[Conversation]
 ) -> dict[str, Any]:
-    top = {c.conversation_id: setting.classes.get("interactive") for c in conversations}
+    top = {c.conversation_id: setting.classes.get(ONLINE) for c in conversations}
     arms: dict[str, Any] = {}
     for placement in PLACEMENTS:
         if placement == "per-request":  # the same GPUs, every one serving whole requests
@@ -245,7 +272,7 @@ def placements_at(
 def ttfet_at_scale(setting: Setting, conversations: int) -> dict[str, Any]:
     say("ttfet_at_scale: the operating point (one prefiller at R*)")
     probe = agentic_workload(1.0, 400)
-    pilot = run(setting.config(1, 3), probe, {c.conversation_id: setting.classes.get("interactive") for c in probe})
+    pilot = run(setting.config(1, 3), probe, {c.conversation_id: setting.classes.get(ONLINE) for c in probe})
     w_true = lifetimes(pilot)
     shape = shape_of(probe, w_true)
     one = setting.plan(1.0, shape["input"], shape["output"], w_true)
@@ -261,9 +288,7 @@ def ttfet_at_scale(setting: Setting, conversations: int) -> dict[str, Any]:
             # the trace's turns keep their times, so W shrinks as it is sped up: W(R) = W at speedup 1 x R1 / R
             base = mooncake_workload(1.0, conversations)
             trace_rate = len(base) / max(c.start_s for c in base)
-            pilot = run(
-                setting.config(8, 16), base, {c.conversation_id: setting.classes.get("interactive") for c in base}
-            )
+            pilot = run(setting.config(8, 16), base, {c.conversation_id: setting.classes.get(ONLINE) for c in base})
             wl_shape = shape_of(base, lifetimes(pilot))
             w1 = wl_shape["lifetime_s"]
 
@@ -419,13 +444,16 @@ def _draw(conversations: Sequence[Conversation], classes: ClassRegistry, seed: i
 # --- harvest_at_scale and plan_check --------------------------------------------------------------------
 
 
-def planned_pool(setting: Setting, conversations: int) -> tuple[Any, dict[str, Any], float]:
+def planned_pool(
+    setting: Setting, conversations: int, decode_at_context: bool = True
+) -> tuple[Any, dict[str, Any], float]:
+    """The plan of a pool of four prefillers' traffic (its target is 90 % of their saturation rate)."""
     probe = agentic_workload(1.0, 300)
-    pilot = run(setting.config(1, 3), probe, {c.conversation_id: setting.classes.get("interactive") for c in probe})
+    pilot = run(setting.config(1, 3), probe, {c.conversation_id: setting.classes.get(ONLINE) for c in probe})
     shape = shape_of(probe, lifetimes(pilot))
-    # a pool of four prefillers: its target is 90 % of their saturation rate
     rate = 4 * 0.9 * setting.plan(1.0, shape["input"], shape["output"], shape["lifetime_s"]).saturation_rate_per_s
-    return setting.plan(rate, shape["input"], shape["output"], shape["lifetime_s"]), shape, rate
+    plan = setting.plan(rate, shape["input"], shape["output"], shape["lifetime_s"], decode_at_context=decode_at_context)
+    return plan, shape, rate
 
 
 def online_attainment(result: SimResult) -> float:
@@ -446,7 +474,7 @@ def _attained(record: Any) -> bool:
 def harvest_at_scale(setting: Setting, conversations: int) -> dict[str, Any]:
     plan, shape, rate = planned_pool(setting, conversations)
     load = agentic_workload(rate, conversations)
-    online = {c.conversation_id: setting.classes.get("interactive") for c in load}
+    online = {c.conversation_id: setting.classes.get(ONLINE) for c in load}
     offline_cls = setting.classes.get("offline")
     pool = (plan.prefillers, plan.decoders)
     say(f"harvest_at_scale: {pool[0]} prefillers + {pool[1]} decoders at {rate:.3g} conv/s")
@@ -498,49 +526,65 @@ def harvest_at_scale(setting: Setting, conversations: int) -> dict[str, Any]:
 
 
 def plan_check(setting: Setting, conversations: int) -> dict[str, Any]:
-    plan, shape, target_rate = planned_pool(setting, conversations)
-    pool = (plan.prefillers, plan.decoders)
-    rows = []
-    for factor in (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5):
-        load = agentic_workload(target_rate * factor, conversations)
-        result = run(setting.config(*pool), load, {c.conversation_id: setting.classes.get("interactive") for c in load})
-        use = result.utilisation(setting.decode_tps)
-        rows.append(
-            {
-                "factor": factor,
-                "rate_per_s": target_rate * factor,
-                "attainment": online_attainment(result),
-                "utilisation": use,
-                "first_bottleneck": result.first_bottleneck(setting.decode_tps),
-                "ttfet": ttfet_figures(result),
-            }
-        )
-        say(
-            f"plan_check: {factor:.1f}x: attainment {rows[-1]['attainment']:.1%}, "
-            f"first {rows[-1]['first_bottleneck']}, "
-            + ", ".join(f"{k} {v:.0%}" for k, v in use.items())
-        )
-    up_to_target = [r for r in rows if r["factor"] <= 1.0]
-    meets = all(r["attainment"] >= ONLINE_ATTAINMENT for r in up_to_target)
-    prefiller_first = all(r["first_bottleneck"] == "Prefiller" for r in rows if r["factor"] >= 1.0)
-    shortfall = min(r["attainment"] for r in up_to_target) - ONLINE_ATTAINMENT
+    as_published, shape, target_rate = planned_pool(setting, conversations, decode_at_context=False)
+    at_context, _, _ = planned_pool(setting, conversations)
+    online_cls = setting.classes.get(ONLINE)
+    pools = {}
+    for label, plan, t_d in (
+        ("profile_as_published", as_published, setting.decode_tps),
+        ("decode_at_live_context", at_context, setting.decode_tps_at(shape["input"] + shape["output"])),
+    ):
+        rows = []
+        for factor in (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5):
+            load = agentic_workload(target_rate * factor, conversations)
+            result = run(
+                setting.config(plan.prefillers, plan.decoders), load, {c.conversation_id: online_cls for c in load}
+            )
+            use = result.utilisation(t_d)
+            rows.append(
+                {
+                    "factor": factor,
+                    "rate_per_s": target_rate * factor,
+                    "attainment": online_attainment(result),
+                    "utilisation": use,
+                    "first_bottleneck": result.first_bottleneck(t_d),
+                    "ttfet": ttfet_figures(result),
+                }
+            )
+            say(
+                f"plan_check ({label}, {plan.prefillers}P+{plan.decoders}D): {factor:.1f}x: attainment "
+                f"{rows[-1]['attainment']:.1%}, first {rows[-1]['first_bottleneck']}, "
+                + ", ".join(f"{k} {v:.0%}" for k, v in use.items())
+            )
+        up_to_target = [r for r in rows if r["factor"] <= 1.0]
+        saturated = [r for r in rows if r["factor"] >= 1.0]
+        pools[label] = {
+            "plan": {
+                "prefillers": plan.prefillers,
+                "decoders": plan.decoders,
+                "bottleneck": str(plan.bottleneck),
+                "decode_tokens_per_s": t_d,
+                "saturation_rate_per_s": plan.pool_saturation_rate_per_s,
+            },
+            "slo_met_up_to_target": all(r["attainment"] >= ONLINE_ATTAINMENT for r in up_to_target),
+            "worst_attainment_margin_up_to_target": min(r["attainment"] for r in up_to_target) - ONLINE_ATTAINMENT,
+            "prefiller_saturates_first": all(r["first_bottleneck"] == "Prefiller" for r in saturated),
+            "first_below_slo_factor": next((r["factor"] for r in rows if r["attainment"] < ONLINE_ATTAINMENT), None),
+            "sweep": rows,
+        }
+    judged = pools["profile_as_published"]
     return {
         "benchmark": "plan_check",
-        "target": f"the plan's pool meets its SLO (>= {ONLINE_ATTAINMENT:.0%} of requests) from 0.2x up to its target "
-        "rate, and the prefiller is the first resource to saturate",
-        "met": bool(meets and prefiller_first),
-        "slo_met_up_to_target": meets,
-        "worst_attainment_margin_up_to_target": shortfall,
-        "prefiller_saturates_first": prefiller_first,
-        "plan": {
-            "prefillers": plan.prefillers,
-            "decoders": plan.decoders,
-            "bottleneck": str(plan.bottleneck),
-            "target_rate_per_s": target_rate,
-            "saturation_rate_per_s": plan.pool_saturation_rate_per_s,
-        },
-        "sweep": rows,
-        "setup": {"workload": shape, "conversations": conversations, "class": "interactive"},
+        "target": f"the plan's pool meets its SLO ({ONLINE} class, >= {ONLINE_ATTAINMENT:.0%} of requests) from 0.2x "
+        "up to its target rate, and the prefiller is the first resource to saturate (judged on the pool planned "
+        "from the profile as published; the pool planned with T_d at the workload's context is the diagnosis)",
+        "met": bool(judged["slo_met_up_to_target"] and judged["prefiller_saturates_first"]),
+        "slo_met_up_to_target": judged["slo_met_up_to_target"],
+        "worst_attainment_margin_up_to_target": judged["worst_attainment_margin_up_to_target"],
+        "prefiller_saturates_first": judged["prefiller_saturates_first"],
+        "pools": pools,
+        "target_rate_per_s": target_rate,
+        "setup": {"workload": shape, "conversations": conversations, "class": ONLINE},
     }
 
 
@@ -551,7 +595,7 @@ def simulator_speed(setting: Setting) -> dict[str, Any]:
     loaded = time.process_time()
     conversations = from_azure(azure_rows(), lengths_only=True)
     read_s = time.process_time() - loaded
-    cls = setting.classes.get("interactive")
+    cls = setting.classes.get(ONLINE)
     started, wall = time.process_time(), time.perf_counter()
     result = run(setting.config(8, 24), conversations, {c.conversation_id: cls for c in conversations})
     cpu_s, wall_s = time.process_time() - started, time.perf_counter() - wall
@@ -654,12 +698,17 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
                 f"{s(row['fraction_of_idle'])} of idle  online {row['online_attainment']:.1%}"
             )
     if "plan_check" in results:
-        print("\nplan_check")
-        for row in results["plan_check"]["sweep"]:
+        for label, pool in results["plan_check"]["pools"].items():
+            plan = pool["plan"]
             print(
-                f"{row['factor']:>4.1f}x  attainment {row['attainment']:.1%}  first {row['first_bottleneck']}  "
-                + ", ".join(f"{k} {v:.0%}" for k, v in row["utilisation"].items())
+                f"\nplan_check, {label}: {plan['prefillers']}P+{plan['decoders']}D "
+                f"(T_d {plan['decode_tokens_per_s']:,.0f} tokens/s)"
             )
+            for row in pool["sweep"]:
+                print(
+                    f"{row['factor']:>4.1f}x  attainment {row['attainment']:.1%}  first {row['first_bottleneck']}  "
+                    + ", ".join(f"{k} {v:.0%}" for k, v in row["utilisation"].items())
+                )
     if "simulator_speed" in results:
         doc = results["simulator_speed"]
         print(

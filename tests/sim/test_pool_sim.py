@@ -229,3 +229,16 @@ def test_a_batched_step_charges_each_request_attention_over_its_own_context_only
     per_request = 2 * 1e-4 + 1e-6 * (2 + 200) + 1e-5 * 2 * (1 + 100) + 0.01
     assert decode == pytest.approx(per_request)
     assert decode < cost.latency_s(2, 200) - 1e-3  # the totals' cross term would charge 2·202 instead of 202
+
+
+def test_a_waiting_request_that_does_not_fit_blocks_later_ones_but_not_the_running() -> None:
+    """vLLM's waiting loop stops at the first request it cannot start; the running ones keep decoding."""
+    first = conversation("a", 0.0, [500], 60)
+    big = conversation("b", 0.05, [900], 5)  # 900 + 5 does not fit beside a's 560 in 1,000 tokens of KV
+    small = conversation("c", 0.06, [100], 5)
+    result = run([first, big, small], placement="per-request", kv_capacity_tokens=1000).result  # type: ignore[attr-defined]
+    a, b, c = (r.request for r in result.records)
+    assert len(a.token_times) == 60 and a.token_times[-1] < b.token_times[0]
+    assert c.token_times[0] > b.token_times[0]  # c waited behind b, as vLLM's queue does
+    gaps = [later - earlier for earlier, later in zip(a.token_times[1:], a.token_times[2:], strict=False)]
+    assert max(gaps) < 0.05  # a decoded every step meanwhile

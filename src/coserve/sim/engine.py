@@ -277,21 +277,30 @@ class SimEngine:
         decision = self.policy.decide([r.view(r.request_id in running) for r in candidates], self.env.now, free_slots)
         by_id = {r.request_id: r for r in candidates}
         scheduled: dict[SimRequest, int] = {}
+        blocked = False
         for request_id in decision.order:
             allowance = decision.allowances.get(request_id)
             if not allowance:
                 continue
             request = by_id[request_id]
             if request_id not in running:
+                if blocked:
+                    continue
                 if len(self.running) >= self.max_num_seqs or not self._make_room(request):
+                    blocked = True  # vLLM's waiting loop stops at the first request it cannot start
                     continue
                 self.waiting.remove(request)
                 self.running.append(request)
                 self._running_kv += request.footprint
             scheduled[request] = min(allowance, request.due)
-        if not scheduled and self.running:  # never an empty step while something runs (the scheduler's rule)
-            first = self.running[0]
-            scheduled[first] = min(first.due, self.policy.config.max_tokens_per_step)
+        if not scheduled and self.running:
+            # the scheduler's rule: a step that ran nothing is followed (at once) by one that holds nothing back
+            left = self.policy.config.max_tokens_per_step
+            for request in self.running:
+                if left <= 0:
+                    break
+                scheduled[request] = min(request.due, left)
+                left -= scheduled[request]
             return scheduled, None
         return scheduled, decision
 
