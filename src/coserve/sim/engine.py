@@ -126,6 +126,7 @@ class SimEngine:
         self.on_finish: Done = lambda engine, request, now: None
         self.busy_s = 0.0
         self.tokens_computed = 0
+        self.tokens_emitted = 0  # output tokens (a decoder's decode throughput, as T_d counts it)
         self.steps = 0
         self.fast_forwarded = 0  # steps run without asking the policy again, as it would have decided the same
         self.fast_forward = fast_forward
@@ -235,6 +236,7 @@ class SimEngine:
         self._wake = None
         self.busy_s += ends[done - 1] - started
         self.tokens_computed += n * done
+        self.tokens_emitted += n * done
         self.steps += done
         self.fast_forwarded += done - 1
         for request in batch:
@@ -324,6 +326,7 @@ class SimEngine:
             if not emits:
                 continue
             request.output += 1
+            self.tokens_emitted += 1
             request.token_times.append(now)
             if request.output >= request.max_output_tokens or (self.stop_after_first and request.output == 1):
                 self._leave(request, now)

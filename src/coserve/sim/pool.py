@@ -184,6 +184,10 @@ class SimResult:
     replica_seconds: dict[str, float] = field(default_factory=dict)  # role -> replicas (asked for or draining) x s
     offline_tokens: int = 0  # prompt + output tokens of finished offline requests
     tokens_computed: dict[str, int] = field(default_factory=dict)
+    # the load window: up to the last conversation's arrival (the drain after it would dilute utilisation)
+    window_s: float = 0.0
+    window_busy_s: dict[str, float] = field(default_factory=dict)
+    window_emitted: dict[str, int] = field(default_factory=dict)
 
     def ttfet_s(self) -> list[float]:
         """Per conversation: first arrival to the final turn's first token (finished conversations only)."""
@@ -218,20 +222,23 @@ class SimResult:
         return out
 
     def utilisation(self, decode_tokens_per_s: float | None = None) -> dict[str, float]:
-        """Each role's load as a fraction of what it has: prefillers' busy time; decoders' tokens per second over
-        ``decode_tokens_per_s`` (the profile's T_d; without it, their busy time, which a single decoding
-        request already fills) and their mean KV occupancy."""
+        """Each role's load as a fraction of what it has, over the load window (to the last conversation's
+        arrival): prefillers' busy time; decoders' output tokens/s over ``decode_tokens_per_s`` (the
+        profile's T_d; without it, their busy time, which a single decoding request already fills); their
+        mean KV occupancy."""
         out: dict[str, float] = {}
-        if not self.duration_s:
+        window = self.window_s or self.duration_s
+        if not window:
             return out
+        busy_s = self.window_busy_s if self.window_s else self.busy_s
         for role in ("prefiller", "decoder"):
-            busy = [v for k, v in self.busy_s.items() if k.startswith(role)]
+            busy = [v for k, v in busy_s.items() if k.startswith(role)]
             if busy:
-                out[f"{role}_busy"] = sum(busy) / (len(busy) * self.duration_s)
-        decoders = [v for k, v in self.tokens_computed.items() if k.startswith("decoder")]
-        if decode_tokens_per_s and decoders:
-            out["decoder_compute"] = sum(decoders) / (len(decoders) * self.duration_s * decode_tokens_per_s)
-        samples = [usage for series in self.kv_occupancy.values() for _, usage in series]
+                out[f"{role}_busy"] = sum(busy) / (len(busy) * window)
+        emitted = [v for k, v in self.window_emitted.items() if k.startswith("decoder")]
+        if decode_tokens_per_s and emitted:
+            out["decoder_compute"] = sum(emitted) / (len(emitted) * window * decode_tokens_per_s)
+        samples = [usage for series in self.kv_occupancy.values() for t, usage in series if t <= window]
         if samples:
             out["decoder_kv"] = sum(samples) / len(samples)
         return out
@@ -321,7 +328,11 @@ class PoolSim:
         self._lifetimes = _Window(600.0)
         self._prefilled: deque[tuple[float, int]] = deque()  # (time, prompt tokens the prefillers computed, total)
         self._last_tick = 0.0
-        self.records_first_token: dict[str, float] = {}  # conversation -> its first token (for W)
+        self.records_first_token: dict[str, float] = {}
+        self._started = 0
+        self._window: tuple[float, dict[str, float], dict[str, int]] | None = (
+            None  # conversation -> its first token (for W)
+        )
 
     # --- running -----------------------------------------------------------------------------------
 
@@ -346,7 +357,13 @@ class PoolSim:
             dict(self.replica_seconds),
             self.offline_tokens,
             {e.name: e.tokens_computed for e in engines},
+            *self._window_snapshot(engines),
         )
+
+    def _window_snapshot(self, engines: list[SimEngine]) -> tuple[float, dict[str, float], dict[str, int]]:
+        if self._window is not None:
+            return self._window
+        return float(self.env.now), {e.name: e.busy_s for e in engines}, {e.name: e.tokens_emitted for e in engines}
 
     # --- replicas --------------------------------------------------------------------------------
 
@@ -515,6 +532,11 @@ class PoolSim:
             self.records.append(record)
             self._record_of[request.request_id] = record
             if index == 0:
+                self._started += 1
+                if self._started == len(self.conversations):  # the load window ends: utilisation is read here
+                    engines = list(self.by_name.values())
+                    self._window = (float(env.now), {e.name: e.busy_s for e in engines},
+                                    {e.name: e.tokens_emitted for e in engines})  # fmt: skip
                 self._arrived.add(env.now, 1.0)
                 self._arrived_5m.add(env.now, 1.0)
                 self._arrived_prompt.add(env.now, request.prompt_tokens)
