@@ -242,3 +242,19 @@ def test_a_waiting_request_that_does_not_fit_blocks_later_ones_but_not_the_runni
     assert c.token_times[0] > b.token_times[0]  # c waited behind b, as vLLM's queue does
     gaps = [later - earlier for earlier, later in zip(a.token_times[1:], a.token_times[2:], strict=False)]
     assert max(gaps) < 0.05  # a decoded every step meanwhile
+
+
+@pytest.mark.parametrize(
+    ("sizes", "prompt", "answer", "limits", "expected"),
+    [
+        ((1, 4), 2000, 5, {}, "Prefiller"),  # long prompts queue at the one prefiller
+        ((4, 1), 100, 200, {"max_num_seqs": 8}, "DecoderThroughput"),  # slots full, KV nearly empty
+        ((4, 1), 900, 100, {"kv_capacity_tokens": 2000}, "DecoderMemory"),  # two fit in the decoder's KV
+    ],
+)
+def test_the_first_bottleneck_is_where_work_queues(
+    sizes: tuple[int, int], prompt: int, answer: int, limits: dict[str, int], expected: str
+) -> None:
+    burst = [conversation(f"c{i}", i * 0.1, [prompt], answer) for i in range(40)]  # 4 s: 8 router polls
+    result = run(burst, prefillers=sizes[0], decoders=sizes[1], **limits).result  # type: ignore[attr-defined]
+    assert result.first_bottleneck() == expected, result.queued_fraction()

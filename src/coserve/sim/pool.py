@@ -188,6 +188,8 @@ class SimResult:
     window_s: float = 0.0
     window_busy_s: dict[str, float] = field(default_factory=dict)
     window_emitted: dict[str, int] = field(default_factory=dict)
+    # per router poll: (time, requests waiting per prefiller, per decoder, decoders' mean KV occupancy)
+    queues: list[tuple[float, float, float, float]] = field(default_factory=list)
 
     def ttfet_s(self) -> list[float]:
         """Per conversation: first arrival to the final turn's first token (finished conversations only)."""
@@ -243,9 +245,30 @@ class SimResult:
             out["decoder_kv"] = sum(samples) / len(samples)
         return out
 
-    def first_bottleneck(self, decode_tokens_per_s: float | None = None) -> str | None:
-        """The resource closest to saturation, named as the plan names it: ``Prefiller`` (busy time),
-        ``DecoderThroughput`` (tokens/s over T_d) or ``DecoderMemory`` (mean KV occupancy)."""
+    def queued_fraction(self) -> dict[str, float]:
+        """Per role, the share of the load window's polls at which at least one request per replica was
+        waiting for it: a resource is saturated when work queues for it (the prefillers' queue is what the
+        router and the autoscaler see)."""
+        window = self.window_s or self.duration_s
+        polls = [q for q in self.queues if q[0] <= window]
+        if not polls:
+            return {}
+        return {
+            "prefiller": sum(1 for _, p, _, _ in polls if p >= 1) / len(polls),
+            "decoder": sum(1 for _, _, d, _ in polls if d >= 1) / len(polls),
+        }
+
+    def first_bottleneck(self, decode_tokens_per_s: float | None = None, memory_full: float = 0.85) -> str | None:
+        """The resource work queued for most, named as the plan names it: ``Prefiller``, or, for decoders,
+        ``DecoderMemory`` when their KV was at least ``memory_full`` while requests waited, else
+        ``DecoderThroughput``. Where nothing queued (under 5 % of polls), the most utilised resource."""
+        queued = self.queued_fraction()
+        if queued and max(queued.values()) >= 0.05:
+            if queued["prefiller"] >= queued["decoder"]:
+                return "Prefiller"
+            window = self.window_s or self.duration_s
+            kv = [k for t, _, d, k in self.queues if t <= window and d >= 1]
+            return "DecoderMemory" if kv and sum(kv) / len(kv) >= memory_full else "DecoderThroughput"
         use = self.utilisation(decode_tokens_per_s)
         compute = use.get("decoder_compute", use.get("decoder_busy"))
         named = {"Prefiller": use.get("prefiller_busy"), "DecoderThroughput": compute,
@@ -328,11 +351,10 @@ class PoolSim:
         self._lifetimes = _Window(600.0)
         self._prefilled: deque[tuple[float, int]] = deque()  # (time, prompt tokens the prefillers computed, total)
         self._last_tick = 0.0
-        self.records_first_token: dict[str, float] = {}
+        self.records_first_token: dict[str, float] = {}  # conversation -> its first token (for W)
+        self.queues: list[tuple[float, float, float, float]] = []
         self._started = 0
-        self._window: tuple[float, dict[str, float], dict[str, int]] | None = (
-            None  # conversation -> its first token (for W)
-        )
+        self._window: tuple[float, dict[str, float], dict[str, int]] | None = None
 
     # --- running -----------------------------------------------------------------------------------
 
@@ -358,6 +380,7 @@ class PoolSim:
             self.offline_tokens,
             {e.name: e.tokens_computed for e in engines},
             *self._window_snapshot(engines),
+            self.queues,
         )
 
     def _window_snapshot(self, engines: list[SimEngine]) -> tuple[float, dict[str, float], dict[str, int]]:
@@ -447,8 +470,13 @@ class PoolSim:
             now = self.env.now
             for name, engine in self.by_name.items():
                 self.loads[name].polled(engine.kv_usage(), len(engine.waiting))
-            for decoder in self._ready(self.decoders):
+            decoders = self._ready(self.decoders)
+            for decoder in decoders:
                 self.kv_occupancy[decoder.name].append((now, decoder.kv_usage()))
+            prefillers = self._ready(self.prefillers)
+            self.queues.append((now, sum(len(p.waiting) for p in prefillers) / max(1, len(prefillers)),
+                                sum(len(d.waiting) for d in decoders) / max(1, len(decoders)),
+                                sum(d.kv_usage() for d in decoders) / len(decoders) if decoders else 0.0))  # fmt: skip
             self._prefilled.append((now, sum(e.tokens_computed for e in self.by_name.values()
                                              if e.name.startswith("prefiller"))))  # fmt: skip
             while self._prefilled and self._prefilled[0][0] < now - 120.0:
