@@ -89,6 +89,14 @@ class OfflineWork:
     output_tokens: int = 64
     concurrency: int = 8
     spare: float = 0.5  # dispatch only while some decoder is below this KV occupancy (the batch runner's rule)
+    # "router": through the router's placement, as the batch runner sends them (prefillers first under P/D);
+    # "decoders": straight to the emptiest decoder, which prefills it too (a what-if: decoders are the
+    # over-provisioned role, prefillers the deliberate bottleneck)
+    route: str = "router"
+
+    def __post_init__(self) -> None:
+        if self.route not in ("router", "decoders"):
+            raise ValueError(f"offline route: expected router or decoders, got {self.route!r}")
 
 
 @dataclass(frozen=True)
@@ -539,7 +547,10 @@ class PoolSim:
             record = TurnRecord(request.conversation_id, 0, True, request, offline=True)
             self._record_of[request.request_id] = record
             self.offline_records.append(record)
-            self._place(record, first=True)
+            if offline.route == "decoders":
+                self._to_decoder(record, self._emptiest_decoder())
+            else:
+                self._place(record, first=True)
 
     def _conversation(self, conversation: Conversation) -> Process:
         env = self.env
