@@ -293,7 +293,7 @@ class SimEngine:
                     continue
                 self.waiting.remove(request)
                 self.running.append(request)
-                self._running_kv += request.footprint
+                self._running_kv += self._reserve(request)
             scheduled[request] = min(allowance, request.due)
         if not scheduled and self.running:
             # the scheduler's rule: a step that ran nothing is followed (at once) by one that holds nothing back
@@ -306,9 +306,18 @@ class SimEngine:
             return scheduled, None
         return scheduled, decision
 
+    def _reserve(self, request: SimRequest) -> int:
+        """KV tokens a running request holds here: its prompt and whole answer; on a prefiller, which emits
+        one token (the router sends turn 1 there with max_tokens 1), its prompt and that token."""
+        return request.prompt_tokens + 1 if self.stop_after_first else request.footprint
+
     def _make_room(self, request: SimRequest) -> bool:
-        """Whether the request's KV fits, evicting cached prefixes (least recently used first) if needed."""
-        need = request.footprint - request.cached
+        """Whether the request's KV fits, evicting cached prefixes (least recently used first) if needed.
+
+        Its whole reservation counts: a prefix it found cached here left the cache when it arrived
+        (``submit``), and KV moved in from a prefiller was never in it.
+        """
+        need = self._reserve(request)
         while self.kv_used() + need > self.kv_capacity_tokens and self.cache:
             _, tokens = self.cache.popitem(last=False)
             self._cached_kv -= tokens
@@ -334,7 +343,7 @@ class SimEngine:
     def _leave(self, request: SimRequest, now: float) -> None:
         """A request is done here: its KV stays cached for its conversation, the pool hears of it."""
         self.running.remove(request)
-        self._running_kv -= request.footprint
+        self._running_kv -= self._reserve(request)
         self._uncache(request.conversation_id)
         tokens = request.computed + (0 if self.stop_after_first else 1)
         self.cache[request.conversation_id] = tokens
