@@ -97,7 +97,7 @@ def test_a_run_is_deterministic() -> None:
 def test_the_command_prints_a_table_and_json() -> None:
     profile = str(ROOT / "examples/profile-h100-published.yaml")
     command = [sys.executable, "-m", "coserve", "simulate", str(ROOT / "examples/pool.yaml"), "--profile", profile,
-               "--conversations", "12", "--first", "2000"]  # fmt: skip
+               "--conversations", "12", "--first", "2000", "--no-plot"]  # fmt: skip
     table = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
     assert "TTFET over 12 conversations" in table.stdout
     report = json.loads(subprocess.run([*command, "-o", "json"], capture_output=True, text=True, check=True).stdout)

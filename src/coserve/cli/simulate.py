@@ -86,7 +86,13 @@ def add_simulate_command(commands: Any, add_profile_option: Any) -> None:
     simulate.add_argument(
         "--kv-bytes-per-token", type=float, default=131072, help="KV bytes per token (default: an 8B Llama, bf16)"
     )
-    simulate.add_argument("--plot", metavar="FILE", help="write a PNG: TTFET, KV occupancy and replicas over time")
+    simulate.add_argument(
+        "--plot",
+        metavar="FILE",
+        default="coserve-simulate.png",
+        help="the PNG of TTFET, KV occupancy and replicas over time (default coserve-simulate.png)",
+    )
+    simulate.add_argument("--no-plot", action="store_true", help="draw no PNG")
     simulate.add_argument("-o", "--output", choices=("table", "json"), default="table")
     simulate.set_defaults(handler=_cmd_simulate)
 
@@ -175,7 +181,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print_table(report)
-    if args.plot:
+    if args.plot and not args.no_plot:
         plot(Path(args.plot), result, report)
     return 0
 
