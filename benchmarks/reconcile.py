@@ -288,6 +288,30 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.kill()
 
 
+QUIET_S = 5.0
+START_S = 180.0
+
+
+async def settle(operator: subprocess.Popen[bytes], workdir: Path, counts_file: Path) -> None:
+    """Wait until a (re)started operator has stopped writing pools: ``QUIET_S`` seconds without a pool write
+    (at most ``START_S``)."""
+    deadline = time.perf_counter() + START_S
+    quiet_since, last = time.perf_counter(), -1
+    while True:
+        if operator.poll() is not None:
+            raise RuntimeError(f"the operator exited:\n{(workdir / 'operator.log').read_text()}")
+        counts = operator_requests(counts_file)
+        writes = sum(v for k, v in counts.items() if k.startswith("pool:") and k.split(":")[1] in WRITES)
+        if writes != last:
+            quiet_since, last = time.perf_counter(), writes
+        elif time.perf_counter() - quiet_since >= QUIET_S and counts:
+            return
+        if time.perf_counter() > deadline:  # it never stops: the window counts what it keeps writing
+            say(f"the restarted operator still writes pools {START_S:g} s after it started")
+            return
+        await asyncio.sleep(0.5)
+
+
 async def converged_cost(
     workdir: Path, kubeconfig: Path, counts_file: Path, pools: int, window_s: float
 ) -> dict[str, Any]:
@@ -295,9 +319,10 @@ async def converged_cost(
     resync_s = 1.0
     operator = start_operator(workdir, kubeconfig, "--resync-s", str(resync_s))
     try:
-        await asyncio.sleep(8)  # start-up, the Lease, the first resync of every pool
-        if operator.poll() is not None:
-            raise RuntimeError(f"the operator exited:\n{(workdir / 'operator.log').read_text()}")
+        # NOTE: a fixed wait here let a restarted operator's first pass over the pools (one create per
+        # child, answered 409) spill into the window on a slower machine; wait for that pass to end instead:
+        # no pool write for QUIET_S in a row (at most START_S), then count over the window
+        await settle(operator, workdir, counts_file)
         before = operator_requests(counts_file)
         started = time.perf_counter()
         await asyncio.sleep(window_s)

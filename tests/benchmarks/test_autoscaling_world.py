@@ -8,9 +8,6 @@ No engine starts here: the world is coserve's pool simulator (pure Python, secon
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -20,21 +17,7 @@ from coserve.api.parse import parse_pool
 from coserve.autoscaling.policy import Replicas, Thresholds
 from coserve.sim import Observation
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 ARGS = argparse.Namespace(startup=60.0, interval=15)
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[ModuleType]:
-    """benchmarks/autoscaling.py, imported as it runs (its folder first on sys.path, for ``_harness``)."""
-    saved = list(sys.path)
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import autoscaling
-
-        yield autoscaling
-    finally:
-        sys.path[:] = saved
 
 
 def steady(world: ModuleType, rate_per_s: float, seconds: float, prompt: int = 1000, output: int = 200) -> Any:

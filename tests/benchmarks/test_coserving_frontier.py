@@ -2,26 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
-
-import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def coserving() -> Iterator[ModuleType]:
-    saved = list(sys.path)
-    sys.path.insert(0, str(BENCHMARKS))  # as the script runs: _harness is its neighbour
-    try:
-        import coserving
-
-        yield coserving
-    finally:
-        sys.path[:] = saved
 
 
 def point(tokens: float, attainment: float) -> dict[str, float]:

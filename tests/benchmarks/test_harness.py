@@ -3,26 +3,10 @@
 from __future__ import annotations
 
 import random
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def harness() -> Iterator[ModuleType]:
-    saved = list(sys.path)
-    sys.path.insert(0, str(BENCHMARKS))  # as the benchmarks import it: their neighbour
-    try:
-        import _harness
-
-        yield _harness
-    finally:
-        sys.path[:] = saved
 
 
 def test_an_azure_csv_and_a_mooncake_jsonl_read_alike(harness: ModuleType, tmp_path: Path) -> None:

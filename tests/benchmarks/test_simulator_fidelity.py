@@ -11,7 +11,6 @@ import inspect
 import itertools
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -23,19 +22,6 @@ from coserve.sim import SimRequest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 RESULTS = BENCHMARKS / "results"
-
-
-@pytest.fixture(scope="module")
-def fidelity() -> Iterator[ModuleType]:
-    """benchmarks/simulator_fidelity.py, imported as it runs (its folder first on sys.path, for its neighbours)."""
-    saved = list(sys.path)
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import simulator_fidelity
-
-        yield simulator_fidelity
-    finally:
-        sys.path[:] = saved
 
 
 def measured(name: str) -> dict[str, Any]:

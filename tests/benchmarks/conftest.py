@@ -1,0 +1,44 @@
+"""The benchmark scripts, imported as they run: their folder first on sys.path, so ``_harness`` and their
+other neighbours import as they do when the script is run."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _script(name: str) -> Iterator[ModuleType]:
+    saved = list(sys.path)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[ModuleType]:
+    yield from _script("_harness")
+
+
+@pytest.fixture(scope="module")
+def coserving() -> Iterator[ModuleType]:
+    yield from _script("coserving")
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[ModuleType]:
+    """benchmarks/autoscaling.py: the autoscaling benchmark's world and analysis."""
+    yield from _script("autoscaling")
+
+
+@pytest.fixture(scope="module")
+def fidelity() -> Iterator[ModuleType]:
+    yield from _script("simulator_fidelity")
