@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "coserve-operator"
 KUBERNETES_VERSION = "1.37.0"
 # Custom resources the schema bundle does not know: checked here by hand instead.
-CUSTOM_KINDS = {"ServiceMonitor"}
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor"}
 
 
 def helm_binary() -> str:

@@ -77,3 +77,50 @@ def test_every_metric_a_panel_reads_is_exported() -> None:
                 missing.append((title, name))
     assert not missing, f"panels read metrics nothing exports: {missing}"
     assert len({n for _, e in expressions() for n in METRIC.findall(e)}) >= 12
+
+
+def test_the_pod_monitor_scrapes_every_pools_router_and_engines_as_pool_and_role() -> None:
+    """Its selector matches the pods the operator renders for a pool (router, prefillers, decoders, not the
+    config), on the port they serve metrics from, and it relabels their series with the labels the default
+    autoscaling queries and the dashboard select on."""
+    from coserve.cli.manifest import load_pool, read_file
+    from coserve.operator.resources import build_children
+    from coserve.provisioning import plan_for
+
+    assert not [d for d in render() if d["kind"] == "PodMonitor"]  # off by default, like the ServiceMonitor
+    (monitor,) = [d for d in render("podMonitor.enabled=true") if d["kind"] == "PodMonitor"]
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == {"any": True}
+    scoped = [d for d in render("podMonitor.enabled=true", "watchNamespaces={llm}") if d["kind"] == "PodMonitor"]
+    assert scoped[0]["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
+
+    pool = load_pool(read_file(str(CHART.parents[1] / "examples" / "pool.yaml")))
+    pods = {
+        child["metadata"]["name"]: child["spec"]["template"]
+        for child in build_children(pool, plan_for(pool.spec))
+        if child["kind"] == "Deployment"
+    }
+    selector = spec["selector"]
+
+    def selected(labels: dict[str, str]) -> bool:
+        exprs = selector["matchExpressions"]
+        return all(labels.get(k) == v for k, v in selector["matchLabels"].items()) and all(
+            labels.get(e["key"]) in e["values"] for e in exprs
+        )
+
+    endpoint = spec["podMetricsEndpoints"][0]
+    for name, template in pods.items():
+        labels = template["metadata"]["labels"]
+        assert selected(labels), f"{name}'s pods are not scraped: {labels}"
+        ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        assert endpoint["port"] in ports, name
+        relabelled = {
+            r["targetLabel"]: labels.get(
+                next(k for k in labels if "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", k)
+                     == r["sourceLabels"][0])
+            )
+            for r in endpoint["relabelings"]
+        }  # fmt: skip
+        assert relabelled["pool"] == pool.metadata.name
+        assert relabelled["role"] in {"router", "prefiller", "decoder"}
+    assert len(pods) >= 3
