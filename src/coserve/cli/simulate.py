@@ -188,32 +188,28 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _class_mix(args: argparse.Namespace, classes: Any) -> dict[str, float]:
     """Class name -> share of conversations: ``--class-mix``, ``--class``, or the top class."""
+
+    def refuse(flag: str, reason: str) -> InvalidInput:
+        return InvalidInput([Problem(flag, reason)], source="coserve simulate")
+
+    known = ", ".join(classes.names)
     if not args.class_mix:
         name = args.cls or min((classes.get(n) for n in classes.names), key=lambda c: c.rank).name
         if name not in classes.names:
-            raise InvalidInput(
-                [Problem("--class", f"unknown class {name!r}; the pool has {', '.join(classes.names)}")],
-                source="coserve simulate",
-            )
+            raise refuse("--class", f"unknown class {name!r}; the pool has {known}")
         return {name: 1.0}
     mix: dict[str, float] = {}
     for item in args.class_mix.split(","):
         name, _, share = item.partition("=")
         name = name.strip()
         if name not in classes.names:
-            raise InvalidInput(
-                [Problem("--class-mix", f"unknown class {name!r}; the pool has {', '.join(classes.names)}")]
-            )
+            raise refuse("--class-mix", f"unknown class {name!r}; the pool has {known}")
         try:
             value = float(share)
         except ValueError:
-            raise InvalidInput(
-                [Problem("--class-mix", f"{item!r}: expected NAME=SHARE with a number")], source="coserve simulate"
-            ) from None
+            raise refuse("--class-mix", f"{item!r}: expected NAME=SHARE with a number") from None
         if not (value > 0 and math.isfinite(value)):
-            raise InvalidInput(
-                [Problem("--class-mix", f"{item!r}: a share must be a positive number")], source="coserve simulate"
-            )
+            raise refuse("--class-mix", f"{item!r}: a share must be a positive number")
         mix[name] = value
     total = sum(mix.values())
     return {name: value / total for name, value in mix.items()}
