@@ -32,10 +32,11 @@ def free_port() -> int:
 class Served:
     """An ASGI app on a real port, in a thread."""
 
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+    def __init__(self, app: Any, loop: str = "auto", host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.port = free_port() if port is None else port
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, host=host, port=self.port, log_level="error", loop=loop)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -52,7 +53,9 @@ class Served:
 class FakeEngine:
     """Answers like vLLM's OpenAI server and reports a KV usage on /metrics."""
 
-    def __init__(self, name: str, kv_usage: float = 0.1, waiting: int = 0) -> None:
+    def __init__(
+        self, name: str, kv_usage: float = 0.1, waiting: int = 0, host: str = "127.0.0.1", port: int | None = None
+    ) -> None:
         self.name = name
         self.kv_usage = kv_usage
         self.waiting = waiting
@@ -94,5 +97,26 @@ class FakeEngine:
                 Route("/metrics", metrics),
             ]
         )
-        self.served = Served(app)
+        self.served = Served(app, host=host, port=port)
         self.url = self.served.url
+
+
+class ServiceDns:
+    """Cluster DNS for one headless Service (a test double: no Kubernetes here): ``name`` resolves to the
+    addresses in ``addresses``, the Service's ready pods; other names resolve as usual.
+
+    Install it over ``socket.getaddrinfo`` and run the router on asyncio's event loop (``Served(...,
+    loop="asyncio")``): uvloop resolves names inside libuv, where no Python double can answer.
+    """
+
+    def __init__(self, name: str, addresses: list[str]) -> None:
+        self.name = name
+        self.addresses = list(addresses)
+        self._real = socket.getaddrinfo
+
+    def getaddrinfo(self, host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != self.name:
+            return self._real(host, port, *args, **kwargs)
+        if not self.addresses:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, int(port))) for ip in self.addresses]

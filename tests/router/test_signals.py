@@ -3,6 +3,7 @@ in front of fast fake engines (test doubles for vLLM's OpenAI server, as in test
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
-from router_served import MODEL, FakeEngine, Served
+from router_served import MODEL, FakeEngine, Served, ServiceDns
 
 
 def metric(base: str, name: str) -> float:
@@ -125,3 +126,44 @@ def test_the_poll_reads_each_engines_kv_capacity_so_admitted_tokens_count() -> N
         for engine in decoders:
             engine.served.stop()
     assert capacity == 1600 and occupancy == pytest.approx(0.1 + 0.5)
+
+
+def test_a_decoder_that_leaves_its_service_drains_and_its_conversations_move_at_the_next_turn() -> None:
+    """Kubernetes deletes a decoder pod: it leaves the Service's DNS answer (``ServiceDns``, a test double for
+    cluster DNS). No new conversation goes to it, the pins to it are kept until their next turn, which is
+    re-placed and counted as a re-placement (not a new conversation: R, L_in and W stay right), and the
+    decoder's series leaves /metrics."""
+    first = FakeEngine("a", kv_usage=0.1)
+    second = FakeEngine("b", kv_usage=0.2, host="127.0.0.2", port=first.served.port)
+    dns = ServiceDns("decoders.test", ["127.0.0.1", "127.0.0.2"])
+    config = {"model": MODEL, "decoderService": "decoders.test", "enginePort": first.served.port, "pollS": 0.05}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket, "getaddrinfo", dns.getaddrinfo)
+        router = Served(build_app(parse_router_config(config)), loop="asyncio")
+        try:
+            state = router.server.config.app.state.router  # type: ignore[attr-defined]
+            assert set(state.decoders) == {first.url, second.url}
+            for conversation in ("c1", "c2"):  # both on "a", the lower KV occupancy
+                assert completion(router.url, "hello", conversation).json()["choices"][0]["text"] == "a"
+            first.kv_usage = 0.9
+            time.sleep(0.2)  # polls read the new occupancy (a positive precondition, checked next)
+            assert completion(router.url, "hello", "c3").json()["choices"][0]["text"] == "b"
+            assert f'decoder="{first.url}"' in httpx.get(f"{router.url}/metrics", timeout=10).text
+
+            dns.addresses = ["127.0.0.2"]  # "a" is terminating: the endpoints controller drops it
+            deadline = time.monotonic() + 10
+            while first.url in state.decoders:
+                assert time.monotonic() < deadline, "the router never saw the Service change"
+                time.sleep(0.02)
+            served_by_a = len(first.requests)
+            assert state.pins.per_decoder().get(first.url) == 2  # pins kept until their next turn
+            assert f'decoder="{first.url}"' not in httpx.get(f"{router.url}/metrics", timeout=10).text
+            for conversation in ("c1", "c2", "c4"):  # two moved at their turn boundary, one new
+                assert completion(router.url, "hello again", conversation).json()["choices"][0]["text"] == "b"
+            assert len(first.requests) == served_by_a  # nothing more reached the leaving decoder
+            assert metric(router.url, "coserve_router_replacements_total") == 2
+            assert metric(router.url, "coserve_router_conversations_total") == 4
+        finally:
+            router.stop()
+            first.served.stop()
+            second.served.stop()

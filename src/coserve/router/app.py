@@ -30,7 +30,10 @@ Engines are polled every ``pollS`` for ``vllm:kv_cache_usage_perc``,
 read with ``prometheus_client``'s parser; an engine is down after
 ``decoderFailures`` consecutive failed polls (one slow answer is not a death);
 with ``prefillerService`` / ``decoderService`` the headless Services are
-resolved (DNS) at the same time.
+resolved (DNS) at the same time. An engine that leaves its Service (Kubernetes
+deleting its pod: a scale-down, a rollout, a node drain) is draining: it gets no
+new request, its in-flight ones finish (its pod's preStop hook, ``coserve.drain``,
+waits for them), and each conversation pinned to it is re-placed at its next turn.
 
 Counted once across replicas: a conversation is new (``conversations_total``,
 its turn-1 prompt in ``conversation_input_tokens``) only on the replica that
@@ -287,8 +290,23 @@ class Router:
         for url in urls - set(engines):
             engines[url] = EngineLoad(url)
         for url in set(engines) - urls:
-            del engines[url]
-            self.pins.drop_decoder(url)
+            self._left_service(url, engines)
+
+    def _left_service(self, url: str, engines: dict[str, EngineLoad]) -> None:
+        """An engine left its Service (Kubernetes is deleting its pod, or it is not ready): it gets no new work.
+
+        Its in-flight requests finish (the pod's preStop hook waits for them). Pins to a leaving decoder are
+        kept, not dropped: a conversation's next turn finds its decoder gone and is re-placed (prefilled again,
+        its KV handed to another decoder), counted as a re-placement with its first arrival kept (R, L_in and
+        W stay right); a decoder back in the Service before that turn keeps its conversations.
+        """
+        del engines[url]
+        gauge = self.metrics.pinned if engines is self.decoders else self.metrics.prefill_queue
+        with contextlib.suppress(KeyError):  # no series for a pod that is gone
+            gauge.remove(url)
+        if engines is self.decoders:
+            pinned = self.pins.per_decoder().get(url, 0)
+            logger.info("decoder %s left its Service: draining; %d conversations move at their next turn", url, pinned)
 
     async def _poll(self, engine: EngineLoad) -> None:
         try:
