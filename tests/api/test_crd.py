@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
@@ -13,7 +15,7 @@ import yaml
 from pydantic import BaseModel
 
 from conftest import CRD_FILE, EXAMPLES
-from coserve.api import CoServePool, SpecModel, StatusModel, parse_pool
+from coserve.api import CoServePool, InvalidInput, Problem, SpecModel, StatusModel, parse_pool
 from coserve.api.crd import _model_type, crd_manifest, openapi_schema
 from coserve.api.parse import parse_profile
 
@@ -195,3 +197,368 @@ def test_resource_maps_validate_their_keys_with_cel() -> None:
         assert rules == [
             {"rule": "self.all(k, size(k) >= 1 && size(k) <= 253)", "message": "resource names are 1 to 253 characters"}
         ]
+
+
+# --- CEL rules and their pydantic twins ---------------------------------------------------------------
+#
+# What a structural schema cannot say (one field of two, names the operator keeps, references between
+# lists) the CRD says with CEL rules, which only the API server runs; the pydantic models refuse the same
+# input, so `coserve render` and the operator name the same field. Each case below is checked three ways:
+# pydantic refuses it at the field path, the CRD holds a rule for it at that place, and that rule,
+# evaluated on the defaulted document by cel-python (a CEL interpreter, not the API server's cel-go: the
+# server's type-check and cost estimate are not exercised here), refuses it too.
+
+
+def minimal_document(**spec: Any) -> dict[str, Any]:
+    base = {
+        "model": {"name": "Qwen/Qwen3-8B"},
+        "workload": {"arrivalRatePerS": 1, "inputTokens": 1000, "outputTokens": 100, "lifetimeS": 10},
+        "profile": {
+            "prefillLatency": {"perTokenS": 1e-4},
+            "decodeThroughputTokensPerS": 1000,
+            "kvCapacityTokens": 10**6,
+        },
+    }
+    return {"apiVersion": "coserve.dev/v1alpha1", "kind": "CoServePool", "metadata": {"name": "m"},
+            "spec": {**base, **copy.deepcopy(spec)}}  # fmt: skip
+
+
+VOLUME = {"name": "data", "emptyDir": {}}
+
+
+@dataclass(frozen=True)
+class RuleCase:
+    """A spec one CEL rule refuses: where pydantic and the API server say so, and what they say."""
+
+    id: str
+    spec: dict[str, Any]
+    path: str  # pydantic's field path
+    reason: str  # a part of pydantic's reason
+    cel_path: str  # where the API server reports it: the rule's node plus its fieldPath
+    message: str  # a part of the rule's message
+
+
+RULE_CASES = [
+    RuleCase("env-operator-prefix", {"engine": {"env": [{"name": "COSERVE_ROLE", "value": "x"}]}},
+             "spec.engine.env[0].name", "is set by the operator", "spec.engine.env[0].name", "is set by the operator"),
+    RuleCase("env-operator-name-router", {"router": {"env": [{"name": "POD_NAMESPACE", "value": "x"}]}},
+             "spec.router.env[0].name", "is set by the operator", "spec.router.env[0].name", "is set by the operator"),
+    RuleCase("env-value-and-value-from",
+             {"engine": {"decoder": {"env": [{"name": "A", "value": "1",
+                                              "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]}}},
+             "spec.engine.decoder.env[0]", "value and valueFrom are exclusive",
+             "spec.engine.decoder.env[0]", "value and valueFrom are exclusive"),
+    RuleCase("env-two-sources",
+             {"engine": {"env": [{"name": "A", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"},
+                                                             "secretKeyRef": {"name": "s", "key": "k"}}}]}},
+             "spec.engine.env[0].valueFrom", "exactly one of secretKeyRef",
+             "spec.engine.env[0].valueFrom", "exactly one of secretKeyRef"),
+    RuleCase("env-no-source", {"router": {"env": [{"name": "A", "valueFrom": {}}]}},
+             "spec.router.env[0].valueFrom", "exactly one of secretKeyRef",
+             "spec.router.env[0].valueFrom", "exactly one of secretKeyRef"),
+    RuleCase("env-from-both",
+             {"engine": {"envFrom": [{"configMapRef": {"name": "a"}, "secretRef": {"name": "b"}}]}},
+             "spec.engine.envFrom[0]", "exactly one of configMapRef and secretRef",
+             "spec.engine.envFrom[0]", "exactly one of configMapRef and secretRef"),
+    RuleCase("volume-operator-name", {"engine": {"volumes": [{"name": "dshm", "emptyDir": {}}]}},
+             "spec.engine.volumes[0].name", "is a volume of the operator's",
+             "spec.engine.volumes[0].name", "is a volume of the operator's"),
+    RuleCase("mount-operator-path",
+             {"engine": {"volumes": [VOLUME], "volumeMounts": [{"name": "data", "mountPath": "/etc/coserve"}]}},
+             "spec.engine.volumeMounts[0].mountPath", "is a mount of the operator's",
+             "spec.engine.volumeMounts[0].mountPath", "is a mount of the operator's"),
+    RuleCase("mount-names-no-volume", {"engine": {"volumeMounts": [{"name": "data", "mountPath": "/data"}]}},
+             "spec.engine.volumeMounts[0].name", "names no volume of these pod options",
+             "spec.engine.volumeMounts", "volumeMounts name volumes of the same pod options"),
+    RuleCase("role-mount-names-no-volume",
+             {"engine": {"decoder": {"volumes": [VOLUME], "volumeMounts": [{"name": "other", "mountPath": "/o"}]}}},
+             "spec.engine.decoder.volumeMounts[0].name", "names no volume of these pod options",
+             "spec.engine.decoder.volumeMounts", "volumeMounts name volumes of the same pod options"),
+    RuleCase("router-mount-names-an-engine-volume",
+             {"engine": {"volumes": [VOLUME]}, "router": {"volumeMounts": [{"name": "data", "mountPath": "/d"}]}},
+             "spec.router.volumeMounts[0].name", "names no volume of these pod options",
+             "spec.router.volumeMounts", "volumeMounts name volumes of the same pod options"),
+    RuleCase("router-mount-router-path",
+             {"router": {"volumes": [VOLUME], "volumeMounts": [{"name": "data", "mountPath": "/tmp"}]}},  # noqa: S108
+             "spec.router.volumeMounts[0].mountPath", "are mounts of the router's own",
+             "spec.router.volumeMounts", "are mounts of the router's own"),
+    RuleCase("pod-label-operator-key", {"router": {"podLabels": {"coserve.dev/role": "decoder"}}},
+             'spec.router.podLabels["coserve.dev/role"]', "is a label of the operator's",
+             "spec.router.podLabels", "the operator's labels"),
+    RuleCase("role-pod-label-operator-key",
+             {"engine": {"prefiller": {"podLabels": {"app.kubernetes.io/instance": "x"}}}},
+             'spec.engine.prefiller.podLabels["app.kubernetes.io/instance"]', "is a label of the operator's",
+             "spec.engine.prefiller.podLabels", "the operator's labels"),
+    RuleCase("pod-annotation-key-too-long", {"engine": {"podAnnotations": {"a" * 318: "x"}}},
+             "spec.engine.podAnnotations." + "a" * 318, "keys are at most 317 characters",
+             "spec.engine.podAnnotations", "annotation keys are at most 317 characters"),
+    RuleCase("hf-token-env-beside-the-secret",
+             {"model": {"name": "m", "hfTokenSecretRef": {"name": "hf"}},
+              "engine": {"decoder": {"env": [{"name": "HF_TOKEN", "value": "hf_x"}]}}},
+             "spec.engine.decoder.env[0].name", "the operator sets HF_TOKEN from model.hfTokenSecretRef",
+             "spec.engine.decoder.env", "the operator sets HF_TOKEN from model.hfTokenSecretRef"),
+    RuleCase("mount-at-the-cache",
+             {"model": {"name": "m", "cache": {"claimName": "w", "mountPath": "/data"}},
+              "engine": {"volumes": [VOLUME], "volumeMounts": [{"name": "data", "mountPath": "/data"}]}},
+             "spec.engine.volumeMounts[0].mountPath", "model.cache.mountPath is where the operator mounts",
+             "spec.engine.volumeMounts", "model.cache.mountPath is where the operator mounts"),
+    RuleCase("cache-operator-path", {"model": {"name": "m", "cache": {"claimName": "w", "mountPath": "/dev/shm"}}},  # noqa: S108
+             "spec.model.cache.mountPath", "is a mount of the operator's",
+             "spec.model.cache.mountPath", "is a mount of the operator's"),
+    RuleCase("cache-claim-and-size", {"model": {"name": "m", "cache": {"claimName": "w", "size": "1Ti"}}},
+             "spec.model.cache", "exactly one of claimName and size",
+             "spec.model.cache", "exactly one of claimName and size"),
+    RuleCase("cache-neither", {"model": {"name": "m", "cache": {}}},
+             "spec.model.cache", "exactly one of claimName and size",
+             "spec.model.cache", "exactly one of claimName and size"),
+    RuleCase("cache-class-with-a-claim",
+             {"model": {"name": "m", "cache": {"claimName": "w", "storageClassName": "fast"}}},
+             "spec.model.cache.storageClassName", "storageClassName goes with size",
+             "spec.model.cache.storageClassName", "storageClassName goes with size"),
+    RuleCase("local-and-cache", {"model": {"name": "org/m", "local": True, "cache": {"size": "1Ti"}}},
+             "spec.model.cache", "local excludes cache", "spec.model.cache", "local excludes cache"),
+    RuleCase("cache-of-a-path", {"model": {"name": "/weights/qwen", "cache": {"size": "1Ti"}}},
+             "spec.model.name", "not a path", "spec.model.name", "not a path"),
+    RuleCase("budget-both", {"disruption": {"decoder": {"minAvailable": 1, "maxUnavailable": 1}}},
+             "spec.disruption.decoder", "exactly one of minAvailable and maxUnavailable",
+             "spec.disruption.decoder", "exactly one of minAvailable and maxUnavailable"),
+    RuleCase("budget-neither", {"disruption": {"router": {}}},
+             "spec.disruption.router", "exactly one of minAvailable and maxUnavailable",
+             "spec.disruption.router", "exactly one of minAvailable and maxUnavailable"),
+    RuleCase("spread-min-domains-anyway",
+             {"engine": {"topologySpreadConstraints": [{"topologyKey": "zone", "minDomains": 2}]}},
+             "spec.engine.topologySpreadConstraints[0].minDomains", "minDomains needs whenUnsatisfiable DoNotSchedule",
+             "spec.engine.topologySpreadConstraints[0].minDomains", "minDomains needs whenUnsatisfiable DoNotSchedule"),
+    RuleCase("selector-in-without-values",
+             {"router": {"topologySpreadConstraints": [
+                 {"topologyKey": "zone", "labelSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}]}},
+             "spec.router.topologySpreadConstraints[0].labelSelector.matchExpressions[0]", "values are required",
+             "spec.router.topologySpreadConstraints[0].labelSelector.matchExpressions[0]", "values are required"),
+    RuleCase("selector-exists-with-values",
+             {"router": {"topologySpreadConstraints": [{"topologyKey": "zone", "labelSelector": {
+                 "matchExpressions": [{"key": "a", "operator": "Exists", "values": ["x"]}]}}]}},
+             "spec.router.topologySpreadConstraints[0].labelSelector.matchExpressions[0]", "values are required",
+             "spec.router.topologySpreadConstraints[0].labelSelector.matchExpressions[0]", "values are required"),
+    RuleCase("resource-name-empty", {"engine": {"resources": {"limits": {"": 1}}}},
+             'spec.engine.resources.limits[""]', "key:", "spec.engine.resources.limits", "resource names are 1 to 253"),
+]  # fmt: skip
+
+
+def refusal(document: dict[str, Any]) -> list[Problem]:
+    with pytest.raises(InvalidInput) as raised:
+        parse_pool(document)
+    return raised.value.problems
+
+
+def schema_at(path: str) -> dict[str, Any]:
+    """The schema node of a document path (``spec.engine.env[0].name``; list indexes and map keys follow items)."""
+    node = openapi_schema()
+    for part in re.findall(r"\[[^\]]*\]|[^.\[]+", path):
+        if part.startswith("["):
+            node = node["items"] if "items" in node else node["additionalProperties"]
+        else:
+            node = node["properties"][part]
+    return node
+
+
+_CEL_PROGRAMS: dict[str, Any] = {}
+
+
+def cel_failures(schema: dict[str, Any], value: Any, path: str) -> list[tuple[str, str]]:
+    """(path, message) of every CEL rule that ``value`` breaks, each rule evaluated where the API server would."""
+    import celpy  # a dev dependency: these checks never skip
+
+    failures = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        if rule["rule"] not in _CEL_PROGRAMS:
+            environment = celpy.Environment()
+            _CEL_PROGRAMS[rule["rule"]] = environment.program(environment.compile(rule["rule"]))
+        if not _CEL_PROGRAMS[rule["rule"]].evaluate({"self": celpy.json_to_cel(value)}):
+            failures.append((path + rule.get("fieldPath", ""), rule["message"]))
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name in value:
+                failures += cel_failures(sub, value[name], f"{path}.{name}")
+    elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for key, item in value.items():
+            failures += cel_failures(schema["additionalProperties"], item, f"{path}[{json.dumps(key)}]")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            failures += cel_failures(schema["items"], item, f"{path}[{index}]")
+    return failures
+
+
+def defaulted_spec(document: dict[str, Any]) -> dict[str, Any]:
+    return apply_crd_defaults(openapi_schema()["properties"]["spec"], copy.deepcopy(document["spec"]))  # type: ignore[no-any-return]
+
+
+def test_rule_cases_are_distinct_and_cover_every_cel_rule() -> None:
+    assert len({case.id for case in RULE_CASES}) == len(RULE_CASES)
+    messages = {
+        rule["message"]
+        for _, node in schema_nodes(openapi_schema())
+        for rule in node.get("x-kubernetes-validations", [])
+    }
+    uncovered = [message for message in messages if not any(case.message in message for case in RULE_CASES)]
+    assert uncovered == []
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=lambda case: case.id)
+def test_pydantic_refuses_what_a_cel_rule_refuses_with_the_field_path(case: RuleCase) -> None:
+    problems = refusal(minimal_document(**case.spec))
+
+    assert [(p.path, case.reason in p.reason) for p in problems] == [(case.path, True)], problems
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=lambda case: case.id)
+def test_the_crd_holds_the_rule_where_the_api_server_reports_it(case: RuleCase) -> None:
+    parts = case.cel_path.split(".")
+    candidates = [".".join(parts[:n]) for n in range(len(parts), 0, -1)]  # the field, then each object above it
+    found = [
+        rule
+        for node_path in candidates
+        if node_path.startswith("spec")
+        for rule in schema_at(node_path).get("x-kubernetes-validations", [])
+        if case.message in rule["message"] and node_path + rule.get("fieldPath", "") == case.cel_path
+    ]
+    assert found, f"no CEL rule reports {case.message!r} at {case.cel_path}"
+    assert case.path.startswith(case.cel_path)  # pydantic names the same field, or an item or key inside it
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=lambda case: case.id)
+def test_the_cel_rule_refuses_the_same_input(case: RuleCase) -> None:
+    failures = cel_failures(
+        openapi_schema()["properties"]["spec"], defaulted_spec(minimal_document(**case.spec)), "spec"
+    )
+
+    assert [(path, case.message in message) for path, message in failures] == [(case.cel_path, True)], failures
+
+
+KITCHEN_SINK_SPEC: dict[str, Any] = {
+    "model": {"name": "meta-llama/Llama-3.1-8B", "hfTokenSecretRef": {"name": "hf"},
+              "cache": {"size": "500Gi", "storageClassName": "nfs", "mountPath": "/weights"}},
+    "engine": {
+        "env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
+                {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "envFrom": [{"secretRef": {"name": "engine"}, "prefix": "E_"}],
+        "volumes": [{"name": "ca", "configMap": {"name": "ca"}}],
+        "volumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
+        "imagePullSecrets": [{"name": "registry"}],
+        "serviceAccountName": "engines",
+        "priorityClassName": "serving",
+        "podLabels": {"team": "inference", "example.com/tier": "gpu"},
+        "podAnnotations": {"example.com/owner": "inference"},
+        "topologySpreadConstraints": [{"topologyKey": "topology.kubernetes.io/zone",
+                                       "whenUnsatisfiable": "DoNotSchedule", "minDomains": 2}],
+        "drainTimeoutS": 600,
+        "decoder": {"volumes": [{"name": "scratch", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "ca", "mountPath": "/ca"}, {"name": "scratch", "mountPath": "/s"}],
+                    "env": [{"name": "NCCL_DEBUG", "value": "INFO"}], "topologySpreadConstraints": []},
+    },
+    "router": {"env": [{"name": "LOG_LEVEL", "value": "debug"}], "podLabels": {"team": "edge"},
+               "topologySpreadConstraints": [{"topologyKey": "kubernetes.io/hostname", "labelSelector": {
+                   "matchExpressions": [{"key": "coserve.dev/role", "operator": "In", "values": ["router"]}]}}]},
+    "disruption": {"decoder": {"maxUnavailable": "25%"}, "prefiller": {"minAvailable": 1}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec", [{}, KITCHEN_SINK_SPEC, {"model": {"name": "/w", "local": True}}], ids=["minimal", "everything", "local"]
+)
+def test_valid_options_pass_the_schema_every_cel_rule_and_pydantic(spec: dict[str, Any]) -> None:
+    document = minimal_document(**spec)
+
+    jsonschema.Draft4Validator(openapi_schema()).validate(document)
+    pool = parse_pool(document)
+    assert (
+        apply_crd_defaults(openapi_schema()["properties"]["spec"], copy.deepcopy(document["spec"]))
+        == pool.spec.to_wire()
+    )
+    assert cel_failures(openapi_schema()["properties"]["spec"], defaulted_spec(document), "spec") == []
+
+
+LIST_MAPS = {
+    "env": ["name"],
+    "volumes": ["name"],
+    "volumeMounts": ["mountPath"],
+    "imagePullSecrets": ["name"],
+    "topologySpreadConstraints": ["topologyKey", "whenUnsatisfiable"],
+}
+
+
+@pytest.mark.parametrize("options", ["spec.engine", "spec.engine.prefiller", "spec.engine.decoder", "spec.router"])
+def test_pod_option_lists_are_maps_keyed_as_kubernetes_keys_them(options: str) -> None:
+    """The API server refuses two items with the same key (x-kubernetes-list-type: map); so does pydantic."""
+    node = schema_at(options)
+    for field, keys in LIST_MAPS.items():
+        assert node["properties"][field]["x-kubernetes-list-type"] == "map"
+        assert node["properties"][field]["x-kubernetes-list-map-keys"] == keys
+        items = node["properties"][field]["items"]
+        for key in keys:  # a map key must be required or defaulted
+            assert key in items.get("required", []) or "default" in items["properties"][key], (field, key)
+
+
+@pytest.mark.parametrize(
+    ("field", "items", "reason"),
+    [
+        ("env", [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], "env names must be unique"),
+        ("volumes", [VOLUME, {"name": "data", "secret": {"secretName": "s"}}], "volume names must be unique"),
+        ("volumeMounts", [{"name": "data", "mountPath": "/d"}, {"name": "data", "mountPath": "/d"}],
+         "mount paths must be unique"),
+        ("imagePullSecrets", [{"name": "r"}, {"name": "r"}], "image pull secrets must be unique"),
+        ("topologySpreadConstraints", [{"topologyKey": "zone"}, {"topologyKey": "zone", "maxSkew": 2}],
+         "topologyKey and whenUnsatisfiable pairs must be unique"),
+    ],
+)  # fmt: skip
+def test_pydantic_refuses_duplicate_keys_at_the_second_item(field: str, items: list[Any], reason: str) -> None:
+    spec = {"router": {"volumes": [VOLUME], field: items}} if field != "volumes" else {"router": {field: items}}
+    problems = refusal(minimal_document(**spec))
+
+    assert [p.path for p in problems] == [f"spec.router.{field}[1].{LIST_MAPS[field][0]}"]
+    assert reason in problems[0].reason
+
+
+@pytest.mark.parametrize(
+    ("spec", "path", "reason"),
+    [
+        ({"engine": {"volumes": [{"name": "v"}]}}, "spec.engine.volumes[0]", "exactly one volume source"),
+        ({"engine": {"volumes": [{"name": "v", "emptyDir": {}, "configMap": {"name": "c"}}]}},
+         "spec.engine.volumes[0]", "exactly one volume source"),
+        ({"engine": {"volumes": [{"name": "v", "persistentVolume": {"claimName": "c"}}]}},
+         "spec.engine.volumes[0].persistentVolume", "unknown volume source"),
+        ({"engine": {"volumes": [{"name": "v", "emptyDir": "yes"}]}}, "spec.engine.volumes[0].emptyDir",
+         "a volume source is an object"),
+        ({"router": {"podLabels": {"Example.com/team": "a"}}}, 'spec.router.podLabels["Example.com/team"]',
+         "prefix must be a lowercase DNS subdomain"),
+        ({"router": {"podAnnotations": {"team/": "a"}}}, 'spec.router.podAnnotations["team/"]', "a key's name"),
+    ],
+)  # fmt: skip
+def test_what_only_the_pod_template_would_refuse_is_refused_before_it_is_applied(
+    spec: dict[str, Any], path: str, reason: str
+) -> None:
+    """Volume sources are kept as written in the CRD (and label keys are only bounded there): the API server
+    would refuse them only when the operator applies the pod template, so coserve names them first."""
+    problems = refusal(minimal_document(**spec))
+
+    assert [p.path for p in problems] == [path] and reason in problems[0].reason
+    jsonschema.Draft4Validator(openapi_schema()).validate(minimal_document(**spec))  # the CRD lets them through
+
+
+def test_cel_field_paths_name_fields_of_their_node() -> None:
+    for path, node in schema_nodes(openapi_schema()):
+        for rule in node.get("x-kubernetes-validations", []):
+            assert rule["rule"] and rule["message"], path
+            if "fieldPath" in rule:
+                target = node
+                for part in rule["fieldPath"].lstrip(".").split("."):
+                    target = target["properties"][part]
+
+
+def test_every_list_in_the_spec_is_bounded() -> None:
+    """The API server estimates a CEL rule's cost from the sizes of the lists it walks; unbounded ones fail."""
+    unbounded = [path for path, node in schema_nodes(openapi_schema()["properties"]["spec"], "spec")
+                 if node.get("type") == "array" and "maxItems" not in node]  # fmt: skip
+    assert unbounded == []
+    for options in ("spec.engine", "spec.router"):
+        for field in ("podLabels", "podAnnotations"):
+            assert "maxProperties" in schema_at(options)["properties"][field]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +15,26 @@ from hypothesis import strategies as st
 
 from coserve.api import CoServePool, Plan, parse_pool
 from coserve.api.profile import EngineProfile
+from coserve.api.spec import (
+    OPERATOR_ENV_NAMES,
+    OPERATOR_ENV_PREFIX,
+    OPERATOR_LABELS,
+    OPERATOR_MOUNT_PATHS,
+    OPERATOR_VOLUMES,
+    ROUTER_MOUNT_PATHS,
+)
 from coserve.operator.resources import (
+    CHILDREN,
     CONFIG_HASH_ANNOTATION,
+    OPTIONAL_CHILDREN,
     ROLE_LABEL,
     build_children,
     child_keys,
     child_name,
     config_data,
     config_hash,
+    decoders_before_headroom,
+    drain_command,
     engine_args,
     router_image,
 )
@@ -32,6 +45,7 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 
 BASE_POOL: dict[str, Any] = sample_pool()
 
+# What the sample pool renders: every child but the model cache's claim (it has no spec.model.cache).
 EXPECTED_ORDER = [
     ("ConfigMap", "chat-config"),
     ("Deployment", "chat-prefiller"),
@@ -45,7 +59,12 @@ EXPECTED_ORDER = [
     ("ServiceAccount", "chat-router"),
     ("Role", "chat-router"),
     ("RoleBinding", "chat-router"),
+    ("PodDisruptionBudget", "chat-router"),
+    ("PodDisruptionBudget", "chat-prefiller"),
+    ("PodDisruptionBudget", "chat-decoder"),
 ]
+# Every child a pool may have, in apply order: what the operator reads before each reconcile.
+EVERY_CHILD = [EXPECTED_ORDER[0], ("PersistentVolumeClaim", "chat-model-cache"), *EXPECTED_ORDER[1:]]
 
 
 def make_pool(**spec_updates: Any) -> dict[str, Any]:
@@ -101,11 +120,23 @@ def test_children_have_the_documented_kinds_names_and_order() -> None:
     children = render(make_pool())
 
     assert [(c["kind"], c["metadata"]["name"]) for c in children] == EXPECTED_ORDER
-    assert child_keys("chat") == EXPECTED_ORDER  # what the operator reads before each reconcile
+    assert child_keys("chat") == EVERY_CHILD  # what the operator reads before each reconcile
     assert [c["apiVersion"] for c in children] == [
         "v1", "apps/v1", "apps/v1", "apps/v1", "v1", "v1", "v1", "v1", "networking.k8s.io/v1", "v1",
-        "rbac.authorization.k8s.io/v1", "rbac.authorization.k8s.io/v1"
+        "rbac.authorization.k8s.io/v1", "rbac.authorization.k8s.io/v1", "policy/v1", "policy/v1", "policy/v1"
     ]  # fmt: skip
+
+
+def test_only_the_optional_children_are_ever_left_out() -> None:
+    """The operator creates what build_children renders; a child in CHILDREN it leaves out must be optional."""
+    bare = make_pool(disruption={"enabled": False}, router={"replicas": 1})
+    full = make_pool(model={"name": "Qwen/Qwen3-8B", "cache": {"size": "100Gi"}})
+
+    rendered_bare = {(c["kind"], c["metadata"]["labels"]["app.kubernetes.io/component"]) for c in render(bare)}
+    rendered_full = [(c["kind"], c["metadata"]["labels"]["app.kubernetes.io/component"]) for c in render(full)]
+
+    assert set(CHILDREN) - rendered_bare == OPTIONAL_CHILDREN
+    assert rendered_full == list(CHILDREN)  # everything, in CHILDREN's order
 
 
 def test_engine_replicas_follow_the_plan_and_router_replicas_follow_the_spec() -> None:
@@ -130,7 +161,7 @@ def test_every_object_carries_the_labels_and_the_pool_namespace(namespace: str |
     children = render(document)
 
     components = ["config", "prefiller", "decoder", "router", "router", "prefiller", "decoder", "router-token",
-                  "engines", "router", "router", "router"]  # fmt: skip
+                  "engines", "router", "router", "router", "router", "prefiller", "decoder"]  # fmt: skip
     for child, component in zip(children, components, strict=True):
         assert child["metadata"]["labels"] == {
             "app.kubernetes.io/name": "coserve",
@@ -530,12 +561,25 @@ def test_engine_container_runs_vllm_with_the_coserve_plugin(role: str) -> None:
 
 
 @pytest.mark.parametrize("role", ["prefiller", "decoder"])
-def test_engine_probes_give_model_loading_ten_minutes(role: str) -> None:
-    engine = container(render(make_pool()), role)
+@pytest.mark.parametrize(
+    ("model", "startup_s"),
+    [
+        ({"cache": {"claimName": "weights"}}, 600),  # the download ran in the init container, before any probe
+        ({"local": True}, 600),  # nothing to download
+        ({}, 600 + 3600),  # every start downloads in the vLLM container: downloadTimeoutS on top
+        ({"downloadTimeoutS": 7205}, 600 + 7210),  # whole probe periods, never less than asked
+        ({"downloadTimeoutS": 0}, 600),
+    ],
+)
+def test_engine_startup_probe_allows_loading_and_any_download_at_start(
+    role: str, model: dict[str, Any], startup_s: int
+) -> None:
+    engine = container(render(make_pool(model={"name": "Qwen/Qwen3-8B", **model})), role)
 
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
-    assert engine["startupProbe"]["periodSeconds"] * engine["startupProbe"]["failureThreshold"] == 600
+    assert engine["startupProbe"]["periodSeconds"] == 10
+    assert engine["startupProbe"]["periodSeconds"] * engine["startupProbe"]["failureThreshold"] == startup_s
     assert (engine["livenessProbe"]["periodSeconds"], engine["livenessProbe"]["failureThreshold"]) == (10, 3)
     assert engine["readinessProbe"]["periodSeconds"] == 5
 
@@ -662,9 +706,11 @@ def test_every_example_pool_renders_valid_children(path: Path) -> None:
     children = build_children(pool, plan)
 
     name = pool.metadata.name
-    assert [(c["kind"], c["metadata"]["name"]) for c in children] == [
-        (kind, child_name(name, full.removeprefix("chat-"))) for kind, full in EXPECTED_ORDER
-    ]
+    rendered = [(c["kind"], c["metadata"]["name"]) for c in children]
+    every = child_keys(name)
+    optional = {(kind, child_name(name, component)) for kind, component in OPTIONAL_CHILDREN}
+    assert rendered == [key for key in every if key in rendered]  # CHILDREN's order
+    assert set(every) - set(rendered) <= optional
     assert [p for child in children for p, value in walk(child) if value is None] == []
     json.dumps(children, allow_nan=False)  # JSON-ready: nothing an API server would refuse to decode
 
@@ -750,3 +796,509 @@ def test_the_router_may_hold_batch_leases_and_nothing_else() -> None:
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "chat-router"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "serving"}]
     assert ("ServiceAccount", "chat-router") in children
+
+
+# --- pod template options -------------------------------------------------------------------------
+
+
+def pod_template(children: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    return deployment(children, component)["spec"]["template"]  # type: ignore[no-any-return]
+
+
+def env_of(container_manifest: dict[str, Any]) -> dict[str, Any]:
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container_manifest["env"]}
+
+
+CA_VOLUME = {"name": "ca", "configMap": {"name": "corp-ca"}}
+CA_MOUNT = {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}
+
+ENGINE_OPTIONS: dict[str, Any] = {
+    "env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}, {"name": "NCCL_DEBUG", "value": "WARN"}],
+    "envFrom": [{"secretRef": {"name": "engine-secrets"}}],
+    "volumes": [CA_VOLUME, {"name": "scratch", "emptyDir": {"sizeLimit": "10Gi"}}],
+    "volumeMounts": [CA_MOUNT, {"name": "scratch", "mountPath": "/scratch"}],
+    "imagePullSecrets": [{"name": "registry"}],
+    "serviceAccountName": "engines",
+    "priorityClassName": "serving-high",
+    "podLabels": {"team": "inference", "tier": "gpu"},
+    "podAnnotations": {"example.com/owner": "inference", "prometheus.io/scrape": "false"},
+}
+
+
+def test_engine_wide_pod_options_land_in_both_engine_pods() -> None:
+    children = render(make_pool(engine=ENGINE_OPTIONS))
+
+    for role in ("prefiller", "decoder"):
+        template = pod_template(children, role)
+        pod, engine = template["spec"], template["spec"]["containers"][0]
+        assert engine["env"][:4] == [
+            {"name": "COSERVE_ROLE", "value": role},
+            {"name": "COSERVE_CONFIG", "value": "/etc/coserve/engine.json"},
+            {"name": "VLLM_PLUGINS", "value": "coserve"},
+            {"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"},
+        ]  # the operator's own first, the user's after: $(NAME) may refer to them
+        assert engine["env"][4:] == ENGINE_OPTIONS["env"]
+        assert engine["envFrom"] == [{"secretRef": {"name": "engine-secrets"}}]
+        assert pod["volumes"][3:] == ENGINE_OPTIONS["volumes"]
+        assert engine["volumeMounts"][3:] == ENGINE_OPTIONS["volumeMounts"]
+        assert pod["imagePullSecrets"] == [{"name": "registry"}]
+        assert pod["serviceAccountName"] == "engines"
+        assert pod["priorityClassName"] == "serving-high"
+        assert template["metadata"]["labels"] == {
+            "team": "inference",
+            "tier": "gpu",
+            "app.kubernetes.io/name": "coserve",
+            "app.kubernetes.io/instance": "chat",
+            "app.kubernetes.io/component": role,
+            "app.kubernetes.io/managed-by": "coserve-operator",
+            "coserve.dev/role": role,
+        }
+        annotations = template["metadata"]["annotations"]
+        assert annotations["example.com/owner"] == "inference"
+        assert annotations["prometheus.io/scrape"] == "true"  # the operator's own annotations win
+
+
+def test_a_roles_options_extend_and_replace_the_engine_wide_ones() -> None:
+    decoder = {
+        "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "DECODER_ONLY", "value": "1"}],
+        "envFrom": [{"configMapRef": {"name": "decoder-tuning"}, "prefix": "TUNE_"}],
+        "volumes": [{"name": "scratch", "hostPath": {"path": "/mnt/nvme"}}, {"name": "extra", "emptyDir": {}}],
+        "volumeMounts": [{"name": "extra", "mountPath": "/scratch"}, {"name": "ca", "mountPath": "/etc/ssl/more"}],
+        "imagePullSecrets": [{"name": "registry"}, {"name": "decoder-registry"}],
+        "serviceAccountName": "decoders",
+        "priorityClassName": "serving-critical",
+        "podLabels": {"tier": "l40s", "pool-part": "decode"},
+        "podAnnotations": {"example.com/owner": "decode-team"},
+    }
+    children = render(make_pool(engine={**ENGINE_OPTIONS, "decoder": decoder}))
+    template = pod_template(children, "decoder")
+    pod, engine = template["spec"], template["spec"]["containers"][0]
+
+    # lists: engine-wide then the role's, a same-named role entry replacing the engine-wide one in place
+    assert engine["env"][4:] == [
+        {"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
+        {"name": "NCCL_DEBUG", "value": "INFO"},
+        {"name": "DECODER_ONLY", "value": "1"},
+    ]
+    assert engine["envFrom"] == [
+        {"secretRef": {"name": "engine-secrets"}},
+        {"prefix": "TUNE_", "configMapRef": {"name": "decoder-tuning"}},
+    ]
+    assert pod["volumes"][3:] == [
+        CA_VOLUME,
+        {"name": "scratch", "hostPath": {"path": "/mnt/nvme"}},
+        {"name": "extra", "emptyDir": {}},
+    ]
+    assert engine["volumeMounts"][3:] == [  # keyed by mountPath: /scratch now mounts the role's volume
+        CA_MOUNT,
+        {"name": "extra", "mountPath": "/scratch"},
+        {"name": "ca", "mountPath": "/etc/ssl/more"},
+    ]
+    assert pod["imagePullSecrets"] == [{"name": "registry"}, {"name": "decoder-registry"}]
+    # scalars: the role's; maps: merged, the role's values winning
+    assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("decoders", "serving-critical")
+    labels = template["metadata"]["labels"]
+    assert (labels["team"], labels["tier"], labels["pool-part"]) == ("inference", "l40s", "decode")
+    assert template["metadata"]["annotations"]["example.com/owner"] == "decode-team"
+    # the prefiller keeps the engine-wide options alone
+    prefiller = pod_template(children, "prefiller")
+    assert prefiller["spec"]["serviceAccountName"] == "engines"
+    assert prefiller["spec"]["containers"][0]["env"][4:] == ENGINE_OPTIONS["env"]
+
+
+def test_engine_pods_without_options_keep_the_namespace_defaults() -> None:
+    pod = pod_template(render(make_pool()), "decoder")["spec"]
+
+    for absent in ("serviceAccountName", "priorityClassName", "imagePullSecrets", "initContainers"):
+        assert absent not in pod
+    assert "envFrom" not in pod["containers"][0]
+
+
+def test_the_router_takes_its_own_pod_options_and_keeps_its_service_account() -> None:
+    router = {
+        "env": [{"name": "LOG_LEVEL", "value": "debug"}],
+        "envFrom": [{"configMapRef": {"name": "router-env"}}],
+        "volumes": [CA_VOLUME],
+        "volumeMounts": [CA_MOUNT],
+        "imagePullSecrets": [{"name": "registry"}],
+        "priorityClassName": "serving-high",
+        "podLabels": {"team": "edge"},
+        "podAnnotations": {"example.com/owner": "edge"},
+    }
+    children = render(make_pool(engine=ENGINE_OPTIONS, router=router))
+    template = pod_template(children, "router")
+    pod, router_container = template["spec"], template["spec"]["containers"][0]
+
+    assert router_container["env"] == [
+        {"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "LOG_LEVEL", "value": "debug"},
+    ]
+    assert router_container["envFrom"] == [{"configMapRef": {"name": "router-env"}}]
+    assert pod["volumes"][-1] == CA_VOLUME and router_container["volumeMounts"][-1] == CA_MOUNT
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert pod["priorityClassName"] == "serving-high"
+    assert pod["serviceAccountName"] == "chat-router"  # its Role on Leases; never the engines' account
+    assert template["metadata"]["labels"]["team"] == "edge"
+    assert template["metadata"]["annotations"]["example.com/owner"] == "edge"
+    assert "HTTPS_PROXY" not in env_of(router_container)  # the engines' options stay with the engines
+
+
+def test_a_users_variable_may_retune_what_the_operator_sets_for_lmcache() -> None:
+    document = make_pool(
+        engine={**GPU_ENGINE, "env": [{"name": "LMCACHE_CHUNK_SIZE", "value": "512"}]},
+        kvOffload={"enabled": True, "backend": "lmcache"},
+    )
+    env = container(render(document), "decoder")["env"]
+
+    names = [item["name"] for item in env]
+    assert names.count("LMCACHE_CHUNK_SIZE") == 1
+    assert {"name": "LMCACHE_CHUNK_SIZE", "value": "512"} in env
+
+
+def test_the_operators_own_names_are_the_ones_the_api_refuses() -> None:
+    """Every env name, volume, mount path and label the operator sets is reserved in the API, or overridable."""
+    document = make_pool(
+        model={"name": "Qwen/Qwen3-8B", "hfTokenSecretRef": {"name": "hf"}, "cache": {"size": "1Ti"}},
+        engine=GPU_ENGINE,
+        kvOffload={"enabled": True, "backend": "lmcache"},
+    )
+    children = render(document)
+    for component in ("prefiller", "decoder", "router"):
+        template = pod_template(children, component)
+        containers = template["spec"]["containers"] + template["spec"].get("initContainers", [])
+        for item in (env for c in containers for env in c.get("env", [])):
+            name = item["name"]
+            reserved = name.startswith(OPERATOR_ENV_PREFIX) or name in OPERATOR_ENV_NAMES or name == "HF_TOKEN"
+            assert reserved or name.startswith("LMCACHE_"), name  # LMCACHE_* may be retuned (see above)
+        assert {v["name"] for v in template["spec"]["volumes"]} <= set(OPERATOR_VOLUMES)
+        mount_paths = {m["mountPath"] for c in containers for m in c["volumeMounts"]}
+        assert mount_paths <= {*OPERATOR_MOUNT_PATHS, *ROUTER_MOUNT_PATHS, "/models"}
+        assert set(template["metadata"]["labels"]) == set(OPERATOR_LABELS)
+
+
+# --- the model's source -----------------------------------------------------------------------------
+
+
+def test_a_hugging_face_token_reaches_every_engine_container_and_the_download() -> None:
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-credentials", "key": "token"}}}
+    for model in ({}, {"cache": {"size": "100Gi"}}):
+        source = {"name": "meta-llama/Llama-3.1-8B", "hfTokenSecretRef": {"name": "hf-credentials"}, **model}
+        children = render(make_pool(model=source))
+        for role in ("prefiller", "decoder"):
+            pod = pod_template(children, role)["spec"]
+            for engine_container in pod["containers"] + pod.get("initContainers", []):
+                assert token in engine_container["env"], engine_container["name"]
+        assert "HF_TOKEN" not in env_of(container(children, "router"))
+
+
+def test_a_cache_of_a_size_gets_its_claim_and_a_download_init_container() -> None:
+    document = make_pool(
+        model={
+            "name": "Qwen/Qwen3-8B",
+            "cache": {"size": "200Gi", "storageClassName": "fast-rwx", "mountPath": "/weights"},
+        },
+        engine={"image": "registry.example/vllm:1", "imagePullPolicy": "Always", **ENGINE_OPTIONS},
+    )
+    children = render(document)
+
+    claim = by_key(children)[("PersistentVolumeClaim", "chat-model-cache")]
+    assert children[1] is claim  # before the Deployments whose pods mount it
+    assert claim["metadata"]["labels"]["app.kubernetes.io/component"] == "model-cache"
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "200Gi"}},
+        "storageClassName": "fast-rwx",
+    }
+    for role in ("prefiller", "decoder"):
+        pod = pod_template(children, role)["spec"]
+        assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "chat-model-cache"}} in pod["volumes"]
+        engine = pod["containers"][0]
+        assert {"name": "model-cache", "mountPath": "/weights", "readOnly": True} in engine["volumeMounts"]
+        assert env_of(engine)["HF_HUB_CACHE"] == "/weights/hub"
+        assert env_of(engine)["HF_HUB_OFFLINE"] == "1"
+        (download,) = pod["initContainers"]
+        assert download["name"] == "model-download"
+        assert (download["image"], download["imagePullPolicy"]) == ("registry.example/vllm:1", "Always")
+        assert download["command"] == [
+            "python3", "-m", "coserve.model_cache", "--model", "Qwen/Qwen3-8B", "--cache-dir", "/weights/hub"
+        ]  # fmt: skip
+        cache_mount = {"name": "model-cache", "mountPath": "/weights"}  # read-write: it fills the cache
+        assert download["volumeMounts"] == [cache_mount, *ENGINE_OPTIONS["volumeMounts"]]
+        assert download["env"] == ENGINE_OPTIONS["env"]  # a proxy or HF_ENDPOINT reaches the download too
+        assert download["envFrom"] == ENGINE_OPTIONS["envFrom"]
+        assert "nvidia.com/gpu" not in json.dumps(download["resources"])  # the download needs no GPU
+        assert download["securityContext"] == engine["securityContext"]
+
+
+def test_a_cache_on_an_existing_claim_creates_no_claim() -> None:
+    children = render(make_pool(model={"name": "Qwen/Qwen3-8B", "cache": {"claimName": "shared-weights"}}))
+
+    assert not [c for c in children if c["kind"] == "PersistentVolumeClaim"]
+    pod = pod_template(children, "decoder")["spec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "shared-weights"}} in pod["volumes"]
+    assert {"name": "model-cache", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    assert pod["initContainers"][0]["command"][-2:] == ["--cache-dir", "/models/hub"]
+
+
+def test_local_weights_load_offline_without_a_download() -> None:
+    document = make_pool(
+        model={"name": "/weights/qwen3-8b", "local": True},
+        engine={"volumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": "w", "readOnly": True}}],
+                "volumeMounts": [{"name": "weights", "mountPath": "/weights", "readOnly": True}]},
+    )  # fmt: skip
+    children = render(document)
+
+    pod = pod_template(children, "prefiller")["spec"]
+    engine = pod["containers"][0]
+    assert "initContainers" not in pod
+    assert env_of(engine)["HF_HUB_OFFLINE"] == "1" and "HF_HUB_CACHE" not in env_of(engine)
+    assert arg_value(engine["args"], "--model") == "/weights/qwen3-8b"
+    assert not [c for c in children if c["kind"] == "PersistentVolumeClaim"]
+
+
+def test_without_a_cache_engines_download_online_at_start() -> None:
+    engine = container(render(make_pool()), "decoder")
+
+    assert not {"HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN"} & set(env_of(engine))
+    assert "model-cache" not in json.dumps(pod_template(render(make_pool()), "decoder"))
+
+
+# --- topology spread --------------------------------------------------------------------------------
+
+
+def default_spread(component: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": key,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "chat", "coserve.dev/role": component}},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+        for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+    ]
+
+
+@pytest.mark.parametrize("component", ["prefiller", "decoder", "router"])
+def test_every_role_spreads_over_nodes_and_zones_by_default(component: str) -> None:
+    children = render(make_pool())
+    template = pod_template(children, component)
+
+    assert template["spec"]["topologySpreadConstraints"] == default_spread(component)
+    selector = template["spec"]["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"]
+    assert selector.items() <= template["metadata"]["labels"].items()  # it counts the role's own pods
+
+
+def test_spread_constraints_replace_the_default_and_an_empty_list_turns_it_off() -> None:
+    rack = {"topologyKey": "example.com/rack", "maxSkew": 2, "whenUnsatisfiable": "DoNotSchedule", "minDomains": 3}
+    selected = {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": "x"}}}
+    document = make_pool(
+        engine={"topologySpreadConstraints": [rack], "decoder": {"topologySpreadConstraints": []}},
+        router={"topologySpreadConstraints": [selected]},
+    )
+    children = render(document)
+
+    assert pod_template(children, "prefiller")["spec"]["topologySpreadConstraints"] == [
+        {
+            "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "chat", "coserve.dev/role": "prefiller"}},
+            **rack,
+        }
+    ]  # no labelSelector: the role's own pods
+    assert "topologySpreadConstraints" not in pod_template(children, "decoder")["spec"]
+    assert pod_template(children, "router")["spec"]["topologySpreadConstraints"] == [
+        {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": "kubernetes.io/hostname", "maxSkew": 1,
+         "whenUnsatisfiable": "ScheduleAnyway"}
+    ]  # fmt: skip
+
+
+# --- PodDisruptionBudgets ---------------------------------------------------------------------------
+
+
+def budgets(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """role -> the PodDisruptionBudget's spec without its selector."""
+    out = {}
+    for child in children:
+        if child["kind"] == "PodDisruptionBudget":
+            spec = dict(child["spec"])
+            assert spec.pop("unhealthyPodEvictionPolicy") == "AlwaysAllow"
+            spec.pop("selector")
+            out[child["metadata"]["labels"]["coserve.dev/role"]] = spec
+    return out
+
+
+def plan_with(pool: CoServePool, **update: Any) -> Plan:
+    return plan_for(pool.spec).model_copy(update=update)
+
+
+@pytest.mark.parametrize(
+    ("update", "prefillers_min", "decoders_min"),
+    [
+        # need(D) = D / R* · decodersPerPrefiller = 3 / 1 · 1.5 = 4.5 -> 5 of 7 (headroom 1.5: ceil(6.75) = 7)
+        ({"prefillers": 3, "decoders": 7, "saturation_rate_per_s": 1.0, "design_rate_per_s": 3.0,
+          "decoders_per_prefiller": 1.5}, 2, 5),
+        # a target far below one prefiller's saturation: D = headroom·R, not M·R* (which would need 40)
+        ({"prefillers": 1, "decoders": 2, "saturation_rate_per_s": 10.0, "design_rate_per_s": 0.3,
+          "decoders_per_prefiller": 4.0}, 1, 1),
+        # headroom 1: no spare decoder, the budget holds them all
+        ({"prefillers": 2, "decoders": 6, "saturation_rate_per_s": 1.0, "design_rate_per_s": 2.0,
+          "decoders_per_prefiller": 3.0}, 1, 6),
+        # float noise is not a decoder
+        ({"prefillers": 4, "decoders": 9, "saturation_rate_per_s": 0.1, "design_rate_per_s": 0.3,
+          "decoders_per_prefiller": 2.0000000000000004}, 3, 6),
+    ],
+)  # fmt: skip
+def test_engine_budgets_follow_the_plan(update: dict[str, Any], prefillers_min: int, decoders_min: int) -> None:
+    pool = parse_pool(make_pool())
+
+    found = budgets(build_children(pool, plan_with(pool, **update)))
+
+    assert found["prefiller"] == {"minAvailable": prefillers_min}
+    assert found["decoder"] == {"minAvailable": decoders_min}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rate=st.floats(min_value=0.01, max_value=50),
+    output_tokens=st.integers(min_value=10, max_value=20_000),
+    lifetime_s=st.floats(min_value=1, max_value=3600),
+    headroom=st.floats(min_value=1, max_value=4),
+)
+def test_the_decoder_budget_is_the_plan_before_headroom(
+    rate: float, output_tokens: int, lifetime_s: float, headroom: float
+) -> None:
+    workload = {"arrivalRatePerS": rate, "inputTokens": 2000, "outputTokens": output_tokens, "lifetimeS": lifetime_s}
+    pool = parse_pool(make_pool(workload=workload, headroom=headroom))
+    plan = plan_for(pool.spec)
+
+    floor = decoders_before_headroom(plan)
+
+    assert 1 <= floor <= plan.decoders
+    assert plan.decoders <= max(1, math.ceil(headroom * floor - 1e-9))  # headroom on the floor covers the plan
+    if headroom == 1:
+        assert floor == plan.decoders
+
+
+@pytest.mark.parametrize(("replicas", "expected"), [(1, None), (2, {"minAvailable": 1}), (5, {"minAvailable": 1})])
+def test_the_router_budget_needs_two_replicas(replicas: int, expected: dict[str, int] | None) -> None:
+    assert budgets(render(make_pool(router={"replicas": replicas}))).get("router") == expected
+
+
+def test_with_autoscaling_the_engine_budgets_are_the_declared_minimums() -> None:
+    document = make_pool(
+        autoscaling={
+            "enabled": True,
+            "prometheusUrl": "http://prometheus:9090",
+            "prefillers": {"minReplicas": 2, "maxReplicas": 8},
+            "decoders": {"minReplicas": 3, "maxReplicas": 32},
+        }
+    )
+    found = budgets(render(document))
+
+    assert found["prefiller"] == {"minAvailable": 2}
+    assert found["decoder"] == {"minAvailable": 3}
+
+
+def test_budgets_may_be_set_per_role_or_turned_off() -> None:
+    disruption = {
+        "router": {"maxUnavailable": 1},
+        "prefiller": {"maxUnavailable": "50%"},
+        "decoder": {"minAvailable": "80%"},
+    }
+    found = budgets(render(make_pool(router={"replicas": 1}, disruption=disruption)))
+
+    assert found == {
+        "router": {"maxUnavailable": 1},  # a budget of one's own applies even to a single replica
+        "prefiller": {"maxUnavailable": "50%"},
+        "decoder": {"minAvailable": "80%"},
+    }
+    assert budgets(render(make_pool(disruption={**disruption, "enabled": False}))) == {}
+
+
+@pytest.mark.parametrize("component", ["prefiller", "decoder", "router"])
+def test_a_budget_selects_exactly_its_roles_pods(component: str) -> None:
+    children = render(make_pool())
+    selector = by_key(children)[("PodDisruptionBudget", f"chat-{component}")]["spec"]["selector"]["matchLabels"]
+    template_labels = {c: pod_template(children, c)["metadata"]["labels"] for c in ("prefiller", "decoder", "router")}
+
+    assert [c for c, labels in template_labels.items() if selector.items() <= labels.items()] == [component]
+
+
+# --- graceful drain ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("engine", "timeout_s"), [({}, 300), ({"drainTimeoutS": 1800}, 1800), ({"drainTimeoutS": 0}, 0)]
+)
+@pytest.mark.parametrize("role", ["prefiller", "decoder"])
+def test_engines_drain_before_they_stop(role: str, engine: dict[str, Any], timeout_s: int) -> None:
+    pool = parse_pool(make_pool(engine=engine))
+    children = build_children(pool, plan_for(pool.spec))
+    pod = pod_template(children, role)["spec"]
+
+    expected = ["python3", "-m", "coserve.drain", "--port", "8000", "--quiet-s", "15", "--timeout-s", str(timeout_s)]
+    assert drain_command(pool.spec) == expected
+    assert pod["containers"][0]["lifecycle"] == {"preStop": {"exec": {"command": expected}}}
+    assert pod["terminationGracePeriodSeconds"] == timeout_s + 30  # the hook's bound, then time for SIGTERM
+    assert "lifecycle" not in pod_template(children, "router")["spec"]["containers"][0]
+
+
+# --- everything at once, against the Kubernetes schemas ------------------------------------------------
+
+
+KITCHEN_SINK: dict[str, Any] = {
+    "model": {
+        "name": "meta-llama/Llama-3.1-8B-Instruct",
+        "hfTokenSecretRef": {"name": "hf", "key": "hf-token"},
+        "cache": {"size": "500Gi", "storageClassName": "nfs", "accessModes": ["ReadWriteMany", "ReadOnlyMany"]},
+    },
+    "engine": {
+        **ENGINE_OPTIONS,
+        "drainTimeoutS": 900,
+        "env": [
+            *ENGINE_OPTIONS["env"],
+            {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "GPU_MEM", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": "1Mi"}}},
+            {"name": "FLAG", "valueFrom": {"configMapKeyRef": {"name": "flags", "key": "flag", "optional": True}}},
+        ],
+        "topologySpreadConstraints": [
+            {"topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule", "minDomains": 2,
+             "labelSelector": {"matchExpressions": [{"key": "coserve.dev/role", "operator": "In",
+                                                     "values": ["prefiller", "decoder"]}]},
+             "matchLabelKeys": ["pod-template-hash"]},
+        ],
+        "decoder": {
+            "volumes": [{"name": "kv", "ephemeral": {"volumeClaimTemplate": {"spec": {
+                "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Ti"}}}}}}],
+            "volumeMounts": [{"name": "kv", "mountPath": "/kv"}, {"name": "ca", "mountPath": "/ca", "subPath": "x"}],
+            "serviceAccountName": "decoders",
+        },
+    },
+    "router": {
+        "env": [{"name": "LOG_LEVEL", "value": "debug"}],
+        "volumes": [{"name": "ca", "secret": {"secretName": "ca", "defaultMode": 288}}],
+        "volumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True}],
+        "priorityClassName": "serving-high",
+        "topologySpreadConstraints": [],
+    },
+    "disruption": {"decoder": {"maxUnavailable": "25%"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        KITCHEN_SINK,
+        {**KITCHEN_SINK, "model": {"name": "/weights", "local": True}},
+        {**KITCHEN_SINK, "model": {"name": "Qwen/Qwen3-8B", "cache": {"claimName": "weights"}}},
+    ],
+    ids=["cache-of-a-size", "local", "cache-on-a-claim"],
+)
+def test_every_option_renders_objects_the_kubernetes_api_accepts(spec: dict[str, Any]) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    children = render(make_pool(**spec))
+
+    for child in children:
+        kubernetes_validate.validate(child, "1.35.0", strict=True)
+    assert [p for child in children for p, value in walk(child) if value is None] == []
+    assert {"PodDisruptionBudget", "Deployment"} <= {c["kind"] for c in children}

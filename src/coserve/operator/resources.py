@@ -6,15 +6,24 @@ the operator creates. Pure: imports the stdlib and ``coserve.api`` only (no kopf
 no Kubernetes client, no YAML), and the output is deterministic (equal input,
 equal dicts), holds no ``None`` and keeps integers as integers.
 
-A pool named ``chat`` owns, in this order::
+A pool named ``chat`` owns, in this order (``CHILDREN``; those marked * only when its spec asks
+for them, see ``OPTIONAL_CHILDREN``)::
 
-    ConfigMap  chat-config      engine.json (engines) and router.json (router)
-    Deployment chat-prefiller   vLLM, kv_producer, plan.prefillers replicas
-    Deployment chat-decoder     vLLM, kv_consumer, plan.decoders replicas
-    Deployment chat-router      `coserve router`, spec.router.replicas replicas
-    Service    chat-router      ClusterIP, port 80 -> 8080, what clients call
-    Service    chat-prefiller   headless, port 8000, the router resolves engine pods through it
-    Service    chat-decoder     headless, port 8000
+    ConfigMap             chat-config        engine.json (engines) and router.json (router)
+    PersistentVolumeClaim chat-model-cache * the model cache, with spec.model.cache.size
+    Deployment            chat-prefiller     vLLM, kv_producer, plan.prefillers replicas
+    Deployment            chat-decoder       vLLM, kv_consumer, plan.decoders replicas
+    Deployment            chat-router        `coserve router`, spec.router.replicas replicas
+    Service               chat-router        ClusterIP, port 80 -> 8080, what clients call
+    Service               chat-prefiller     headless, port 8000, the router resolves engine pods through it
+    Service               chat-decoder       headless, port 8000
+    Secret                chat-router-token  the router's token (the operator fills it in)
+    NetworkPolicy         chat-engines       who may reach the engines
+    ServiceAccount        chat-router        the router's identity, with a Role and RoleBinding on Leases
+    Role, RoleBinding     chat-router
+    PodDisruptionBudget   chat-router      * with spec.disruption.enabled and 2+ router replicas (or a budget set)
+    PodDisruptionBudget   chat-prefiller   * with spec.disruption.enabled
+    PodDisruptionBudget   chat-decoder     * with spec.disruption.enabled
 
 Every pod template carries ``coserve.dev/config-hash``, a digest of the
 ConfigMap's data, so a change of SLOs or offload settings rolls the pods while a
@@ -25,18 +34,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from coserve.api._base import ApiModel
 from coserve.api.resource import API_VERSION, KIND, CoServePool
 from coserve.api.spec import (
+    HF_TOKEN_ENV,
     EngineSpec,
     KVOffloadBackend,
+    ModelCacheSpec,
+    ModelSpec,
+    PodOptions,
     ResourceRequirements,
     RoleOverrides,
     RouterSpec,
     SpecModel,
+    TopologySpreadConstraint,
 )
 from coserve.api.status import Plan
 
@@ -47,6 +64,9 @@ __all__ = [
     "COMPONENT_LABEL",
     "CONFIG_HASH_ANNOTATION",
     "CONFIG_MOUNT_PATH",
+    "DEFAULT_SPREAD_TOPOLOGY_KEYS",
+    "DRAIN_GRACE_MARGIN_S",
+    "DRAIN_QUIET_S",
     "ENGINE_CONFIG_KEY",
     "ENGINE_CONFIG_PATH",
     "ENGINE_PORT",
@@ -54,7 +74,9 @@ __all__ = [
     "INSTANCE_LABEL",
     "MANAGED_BY",
     "MANAGED_BY_LABEL",
+    "MODEL_DOWNLOAD_CONTAINER",
     "NAME_LABEL",
+    "OPTIONAL_CHILDREN",
     "ROLE_LABEL",
     "ROUTER_CONFIG_KEY",
     "ROUTER_CONFIG_PATH",
@@ -63,26 +85,33 @@ __all__ = [
     "Component",
     "EngineRole",
     "Manifest",
+    "PodTemplateOptions",
     "build_children",
     "child_keys",
     "child_name",
     "config_data",
     "config_hash",
+    "decoders_before_headroom",
+    "disruption_budget",
+    "drain_command",
     "engine_args",
     "engine_config",
     "engine_service_host",
     "kv_transfer_config",
     "labels_for",
+    "model_download_command",
     "owner_references",
+    "pod_template_options",
     "router_config",
     "router_image",
     "selector_for",
+    "startup_budget_s",
     "uses_gpus",
 ]
 
 Manifest = dict[str, Any]  # one Kubernetes object, JSON-ready
 
-Component = Literal["prefiller", "decoder", "router", "config", "router-token", "engines"]
+Component = Literal["prefiller", "decoder", "router", "config", "router-token", "engines", "model-cache"]
 EngineRole = Literal["prefiller", "decoder"]
 COMPONENTS: tuple[Component, ...] = get_args(Component)
 ENGINE_ROLES: tuple[EngineRole, ...] = get_args(EngineRole)
@@ -131,6 +160,23 @@ _KV_ROLES: dict[EngineRole, str] = {"prefiller": "kv_producer", "decoder": "kv_c
 ROUTER_CONTAINER = "router"
 ROUTER_USER_ID = 65532  # "nonroot" in distroless images
 
+# The model cache: a shared volume the model-download init container fills and the engines read.
+MODEL_CACHE_VOLUME = "model-cache"
+MODEL_DOWNLOAD_CONTAINER = "model-download"
+HF_HUB_FOLDER = "hub"  # HF_HUB_CACHE is <mountPath>/hub, as HF_HOME/hub would be
+# Loading weights and capturing CUDA graphs takes minutes: a startup probe every 10 s allows 10 of them.
+STARTUP_PERIOD_S = 10
+LOAD_BUDGET_S = 600
+# The download runs once per cache, not per start; it needs a CPU and some memory, never a GPU.
+MODEL_DOWNLOAD_RESOURCES: Manifest = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "8Gi"}}
+
+# Graceful drain (coserve.drain): the preStop hook waits for the engine to be idle this long in a row, and
+# the pod's grace period exceeds the hook's bound by this margin, so vLLM still gets SIGTERM, not SIGKILL.
+DRAIN_QUIET_S = 15
+DRAIN_GRACE_MARGIN_S = 30
+
+DEFAULT_SPREAD_TOPOLOGY_KEYS = ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+
 CONFIG_HASH_LENGTH = 16
 # Docker's tag grammar: a word character, then up to 127 of [A-Za-z0-9_.-].
 _IMAGE_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
@@ -148,6 +194,7 @@ def build_children(pool: CoServePool, plan: Plan, *, operator_image_tag: str | N
     digest = config_hash(data)
     children = [
         _config_map(pool, data),
+        _model_cache_claim(pool),
         _engine_deployment(pool, "prefiller", plan.prefillers, digest),
         _engine_deployment(pool, "decoder", plan.decoders, digest),
         _router_deployment(pool, digest, router_image(pool.spec.router, operator_image_tag)),
@@ -157,16 +204,18 @@ def build_children(pool: CoServePool, plan: Plan, *, operator_image_tag: str | N
         _token_secret(pool),
         _engine_network_policy(pool),
         *_router_identity(pool),
+        *(_disruption_budget(pool, plan, component) for component in ("router", "prefiller", "decoder")),
     ]
-    return [_without_none(child) for child in children]
+    return [_without_none(child) for child in children if child is not None]
 
 
 # --- names, labels, ownership ------------------------------------------------------------------
 
 
-# (kind, component) of every child, in the order build_children returns them.
+# (kind, component) of every child a pool may have, in the order build_children returns them.
 CHILDREN: tuple[tuple[str, Component], ...] = (
     ("ConfigMap", "config"),
+    ("PersistentVolumeClaim", "model-cache"),
     ("Deployment", "prefiller"),
     ("Deployment", "decoder"),
     ("Deployment", "router"),
@@ -178,11 +227,25 @@ CHILDREN: tuple[tuple[str, Component], ...] = (
     ("ServiceAccount", "router"),
     ("Role", "router"),
     ("RoleBinding", "router"),
+    ("PodDisruptionBudget", "router"),
+    ("PodDisruptionBudget", "prefiller"),
+    ("PodDisruptionBudget", "decoder"),
+)
+# The children build_children leaves out when the spec does not ask for them: the model cache's claim
+# (only with spec.model.cache.size) and the PodDisruptionBudgets (spec.disruption; the router's also needs
+# two replicas or a budget of its own). Every other child is always rendered.
+OPTIONAL_CHILDREN: frozenset[tuple[str, Component]] = frozenset(
+    {
+        ("PersistentVolumeClaim", "model-cache"),
+        ("PodDisruptionBudget", "router"),
+        ("PodDisruptionBudget", "prefiller"),
+        ("PodDisruptionBudget", "decoder"),
+    }
 )
 
 
 def child_keys(pool_name: str) -> list[tuple[str, str]]:
-    """(kind, name) of every child of ``pool_name``: what the operator reads before it reconciles."""
+    """(kind, name) of every child ``pool_name`` may have: what the operator reads before it reconciles."""
     return [(kind, child_name(pool_name, component)) for kind, component in CHILDREN]
 
 
@@ -245,6 +308,95 @@ def engine_service_host(pool: CoServePool, role: EngineRole) -> str:
     """DNS name of a role's headless Service, ``<pool>-<role>.<namespace>.svc``; namespace "default" if unset."""
     namespace = pool.metadata.namespace or "default"
     return f"{child_name(pool.metadata.name, role)}.{namespace}.svc"
+
+
+# --- pod template options ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodTemplateOptions:
+    """The user's pod template options of one role, engine-wide and the role's combined (lists as wire dicts).
+
+    ``topology_spread_constraints`` is ``None`` for the default spread, ``[]`` for none.
+    """
+
+    env: list[Manifest]
+    env_from: list[Manifest]
+    volumes: list[Manifest]
+    volume_mounts: list[Manifest]
+    image_pull_secrets: list[Manifest]
+    service_account_name: str | None
+    priority_class_name: str | None
+    pod_labels: dict[str, str]
+    pod_annotations: dict[str, str]
+    topology_spread_constraints: list[TopologySpreadConstraint] | None
+
+
+def pod_template_options(spec: SpecModel, component: Literal["prefiller", "decoder", "router"]) -> PodTemplateOptions:
+    """``component``'s pod options: the router's own, or ``engine``'s combined with the role's.
+
+    A role extends the engine-wide options: lists are the engine-wide entries then the role's, a role's
+    entry replacing an engine-wide one with the same name (volume mounts: the same mountPath) in place;
+    maps are merged, the role's values winning; serviceAccountName, priorityClassName and
+    topologySpreadConstraints are the role's when it sets them.
+    """
+    if component == "router":
+        return _combined(spec.router, PodOptions(), service_account_name=None)
+    engine = spec.engine
+    role = _role_overrides(engine, component)
+    return _combined(engine, role, service_account_name=role.service_account_name or engine.service_account_name)
+
+
+def _combined(base: PodOptions, role: PodOptions, *, service_account_name: str | None) -> PodTemplateOptions:
+    spread = role.topology_spread_constraints
+    return PodTemplateOptions(
+        env=_merged_by("name", _wire(base.env), _wire(role.env)),
+        env_from=[*_wire(base.env_from), *_wire(role.env_from)],
+        volumes=_merged_by("name", _wire(base.volumes), _wire(role.volumes)),
+        volume_mounts=_merged_by("mountPath", _wire(base.volume_mounts), _wire(role.volume_mounts)),
+        image_pull_secrets=_merged_by("name", _wire(base.image_pull_secrets), _wire(role.image_pull_secrets)),
+        service_account_name=service_account_name,
+        priority_class_name=role.priority_class_name or base.priority_class_name,
+        pod_labels={**(base.pod_labels or {}), **(role.pod_labels or {})},
+        pod_annotations={**(base.pod_annotations or {}), **(role.pod_annotations or {})},
+        topology_spread_constraints=spread if spread is not None else base.topology_spread_constraints,
+    )
+
+
+def _wire(items: Iterable[ApiModel] | None) -> list[Manifest]:
+    return [item.to_wire() for item in items or ()]
+
+
+def _merged_by(key: str, *lists: Iterable[Manifest]) -> list[Manifest]:
+    """The items of ``lists`` in order, a later item replacing an earlier one with the same ``key`` in place."""
+    merged: dict[Any, Manifest] = {}  # key value -> item; re-assigning a key keeps its first position
+    for items in lists:
+        for item in items:
+            merged[item[key]] = item
+    return list(merged.values())
+
+
+def _spread(
+    pool_name: str, component: Component, constraints: list[TopologySpreadConstraint] | None
+) -> list[Manifest] | None:
+    """The pods' topologySpreadConstraints: the default spread over nodes and zones, or the user's.
+
+    A user's constraint without labelSelector counts the role's own pods, as the default does.
+    """
+    own_pods = {"matchLabels": selector_for(pool_name, component)}
+    if constraints is None:
+        return [
+            {
+                "maxSkew": 1,
+                "topologyKey": key,
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": own_pods,
+                # count only the current ReplicaSet's pods, so a rollout spreads its new pods too
+                "matchLabelKeys": ["pod-template-hash"],
+            }
+            for key in DEFAULT_SPREAD_TOPOLOGY_KEYS
+        ]
+    return [{"labelSelector": own_pods, **constraint.to_wire()} for constraint in constraints] or None
 
 
 # --- the ConfigMap -----------------------------------------------------------------------------
@@ -355,6 +507,7 @@ def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
 
 
 def _engine_env(spec: SpecModel, role: EngineRole) -> list[Manifest]:
+    """The vLLM container's environment as the operator sets it (the user's env follows, see _engine_container)."""
     env = [
         {"name": "COSERVE_ROLE", "value": role},
         {"name": "COSERVE_CONFIG", "value": ENGINE_CONFIG_PATH},
@@ -369,7 +522,25 @@ def _engine_env(spec: SpecModel, role: EngineRole) -> list[Manifest]:
             {"name": "LMCACHE_MAX_LOCAL_CPU_SIZE", "value": f"{offload.host_memory_bytes / 2**30:g}"},
             {"name": "LMCACHE_CHUNK_SIZE", "value": "256"},
         ]
+    model = spec.model
+    env += _hf_token_env(model)
+    if model.cache is not None:
+        env.append({"name": "HF_HUB_CACHE", "value": _hub_cache_dir(model.cache)})
+    if model.cache is not None or model.local:
+        # the weights are on the cache or in the image: vLLM must not reach for the Hub (the cache is read-only)
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     return env
+
+
+def _hf_token_env(model: ModelSpec) -> list[Manifest]:
+    ref = model.hf_token_secret_ref
+    if ref is None:
+        return []
+    return [{"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def _hub_cache_dir(cache: ModelCacheSpec) -> str:
+    return f"{cache.mount_path.rstrip('/')}/{HF_HUB_FOLDER}"
 
 
 def engine_args(spec: SpecModel, role: EngineRole) -> list[str]:
@@ -442,44 +613,162 @@ def _token_env() -> Manifest:
     return {"name": TOKEN_FILE_ENV, "value": f"{TOKEN_MOUNT_PATH}/{TOKEN_KEY}"}
 
 
-def _engine_container(spec: SpecModel, role: EngineRole) -> Manifest:
+def startup_budget_s(model: ModelSpec) -> int:
+    """How long an engine's startup probe waits before liveness counts: loading, plus the download if any.
+
+    With ``cache`` the download runs in the model-download init container, before any probe, and with
+    ``local`` there is none; otherwise every start downloads the weights in the vLLM container itself,
+    so the probe also allows ``downloadTimeoutS``.
+    """
+    downloads_at_start = model.cache is None and not model.local
+    return LOAD_BUDGET_S + (model.download_timeout_s if downloads_at_start else 0)
+
+
+def drain_command(spec: SpecModel) -> list[str]:
+    """The engines' preStop hook: wait until the engine has finished its in-flight requests (``coserve.drain``).
+
+    It waits for ``DRAIN_QUIET_S`` idle seconds in a row, at most ``spec.engine.drainTimeoutS``; the pod's
+    terminationGracePeriodSeconds is that bound plus ``DRAIN_GRACE_MARGIN_S``.
+    """
+    return [
+        "python3",
+        "-m",
+        "coserve.drain",
+        "--port",
+        str(ENGINE_PORT),
+        "--quiet-s",
+        str(DRAIN_QUIET_S),
+        "--timeout-s",
+        str(spec.engine.drain_timeout_s),
+    ]
+
+
+def model_download_command(model: ModelSpec) -> list[str]:
+    """The model-download init container's command: fill the cache with ``model.name`` once.
+
+    ``coserve.model_cache`` skips at once when the cache already holds the model; ``model.cache`` must be set.
+    """
+    if model.cache is None:
+        raise ValueError("model_download_command needs spec.model.cache")
+    return ["python3", "-m", "coserve.model_cache", "--model", model.name, "--cache-dir", _hub_cache_dir(model.cache)]
+
+
+_ENGINE_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _engine_container(spec: SpecModel, role: EngineRole, options: PodTemplateOptions) -> Manifest:
     engine = spec.engine
     overrides = _role_overrides(engine, role)
+    cache = spec.model.cache
+    cache_mounts = [] if cache is None else [
+        {"name": MODEL_CACHE_VOLUME, "mountPath": cache.mount_path, "readOnly": True}
+    ]  # fmt: skip
     return {
         "name": ENGINE_CONTAINER,
         "image": engine.image,
         "imagePullPolicy": engine.image_pull_policy,
         "command": list(ENGINE_COMMAND),
         "args": engine_args(spec, role),
-        "env": _engine_env(spec, role),
+        # the user's variables follow the operator's; one named like an operator-set LMCACHE_* replaces it
+        "env": _merged_by("name", _engine_env(spec, role), options.env),
+        "envFrom": options.env_from or None,
         "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        # Loading weights and capturing CUDA graphs takes minutes: the startup probe
-        # allows 10 minutes before liveness starts counting.
-        "startupProbe": _http_probe("/health", period_s=10, failure_threshold=60),
+        # Loading weights and capturing CUDA graphs takes minutes (plus the download, without a cache):
+        # the startup probe allows that before liveness starts counting.
+        "startupProbe": _http_probe(
+            "/health",
+            period_s=STARTUP_PERIOD_S,
+            failure_threshold=math.ceil(startup_budget_s(spec.model) / STARTUP_PERIOD_S),
+        ),
         # NOTE: 5 s timeouts because a busy engine answers /health between steps, not at once.
         "livenessProbe": _http_probe("/health", period_s=10, failure_threshold=3, timeout_s=5),
         "readinessProbe": _http_probe("/health", period_s=5, failure_threshold=3, timeout_s=5),
+        "lifecycle": {"preStop": {"exec": {"command": drain_command(spec)}}},
         "resources": _resources(overrides.resources or engine.resources),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [_config_mount(), {"name": "dshm", "mountPath": "/dev/shm"}, _token_mount()],  # noqa: S108
+        "securityContext": dict(_ENGINE_SECURITY),
+        "volumeMounts": [
+            _config_mount(),
+            {"name": "dshm", "mountPath": "/dev/shm"},  # noqa: S108 (a path in the pod)
+            _token_mount(),
+            *cache_mounts,
+            *options.volume_mounts,
+        ],
+    }
+
+
+def _model_download_container(spec: SpecModel, options: PodTemplateOptions) -> Manifest | None:
+    """The init container that fills the model cache (read-write), or ``None`` without a cache.
+
+    It gets the user's env, envFrom and volume mounts too (a proxy, HF_ENDPOINT, a CA bundle), and HF_TOKEN.
+    """
+    model = spec.model
+    if model.cache is None:
+        return None
+    return {
+        "name": MODEL_DOWNLOAD_CONTAINER,
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": model_download_command(model),
+        "env": _merged_by("name", _hf_token_env(model), options.env) or None,
+        "envFrom": options.env_from or None,
+        "resources": MODEL_DOWNLOAD_RESOURCES,
+        "securityContext": dict(_ENGINE_SECURITY),
+        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": model.cache.mount_path}, *options.volume_mounts],
+    }
+
+
+def _model_cache_volume(pool: CoServePool) -> list[Manifest]:
+    cache = pool.spec.model.cache
+    if cache is None:
+        return []
+    claim = cache.claim_name or child_name(pool.metadata.name, "model-cache")
+    return [{"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": claim}}]
+
+
+def _model_cache_claim(pool: CoServePool) -> Manifest | None:
+    """The PersistentVolumeClaim ``<pool>-model-cache``, with ``spec.model.cache.size`` only."""
+    cache = pool.spec.model.cache
+    if cache is None or cache.size is None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _metadata(pool, "model-cache"),
+        "spec": {
+            "accessModes": list(cache.access_modes),
+            "resources": {"requests": {"storage": cache.size}},
+            "storageClassName": cache.storage_class_name,
+        },
     }
 
 
 def _engine_deployment(pool: CoServePool, role: EngineRole, replicas: int, digest: str) -> Manifest:
-    overrides = _role_overrides(pool.spec.engine, role)
+    spec = pool.spec
+    overrides = _role_overrides(spec.engine, role)
+    options = pod_template_options(spec, role)
+    download = _model_download_container(spec, options)
     pod_spec: Manifest = {
+        "serviceAccountName": options.service_account_name,
+        "priorityClassName": options.priority_class_name,
+        "imagePullSecrets": options.image_pull_secrets or None,
+        # the preStop drain may take drainTimeoutS; vLLM then gets SIGTERM with time left to stop
+        "terminationGracePeriodSeconds": spec.engine.drain_timeout_s + DRAIN_GRACE_MARGIN_S,
+        "initContainers": [download] if download is not None else None,
         # NOTE: runAsNonRoot is not forced: the upstream vLLM image runs as root, and the kubelet
         # refuses to start a root image under runAsNonRoot. The container still drops every capability.
-        "containers": [_engine_container(pool.spec, role)],
+        "containers": [_engine_container(spec, role, options)],
         "volumes": [
             _config_volume(pool),
             # vLLM's workers (tensor parallelism, NCCL) exchange data through /dev/shm,
             # which the container runtime caps at 64 MiB.
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
             _token_volume(pool),
+            *_model_cache_volume(pool),
+            *options.volumes,
         ],
         "nodeSelector": dict(overrides.node_selector) if overrides.node_selector else None,
         "tolerations": [t.to_wire() for t in overrides.tolerations] if overrides.tolerations else None,
+        "topologySpreadConstraints": _spread(pool.metadata.name, role, options.topology_spread_constraints),
     }
     annotations = {
         "prometheus.io/scrape": "true",
@@ -487,12 +776,19 @@ def _engine_deployment(pool: CoServePool, role: EngineRole, replicas: int, diges
         "prometheus.io/path": "/metrics",
         CONFIG_HASH_ANNOTATION: digest,
     }
-    return _deployment(pool, role, replicas, annotations, pod_spec)
+    return _deployment(pool, role, replicas, annotations, pod_spec, options)
 
 
 def _deployment(
-    pool: CoServePool, component: Component, replicas: int, annotations: dict[str, str], pod_spec: Manifest
+    pool: CoServePool,
+    component: Component,
+    replicas: int,
+    annotations: dict[str, str],
+    pod_spec: Manifest,
+    options: PodTemplateOptions,
 ) -> Manifest:
+    # the user's pod labels and annotations first: the operator's own win (its labels are refused outright)
+    labels = {**options.pod_labels, **labels_for(pool.metadata.name, component)}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -501,7 +797,7 @@ def _deployment(
             "replicas": replicas,
             "selector": {"matchLabels": selector_for(pool.metadata.name, component)},
             "template": {
-                "metadata": {"labels": labels_for(pool.metadata.name, component), "annotations": annotations},
+                "metadata": {"labels": labels, "annotations": {**options.pod_annotations, **annotations}},
                 "spec": pod_spec,
             },
         },
@@ -533,6 +829,7 @@ def router_image(router: RouterSpec, operator_image_tag: str | None = None) -> s
 
 def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
     router = pool.spec.router
+    options = pod_template_options(pool.spec, "router")
     container = {
         "name": ROUTER_CONTAINER,
         "image": image,
@@ -540,7 +837,9 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "env": [
             _token_env(),
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *options.env,
         ],
+        "envFrom": options.env_from or None,
         "ports": [{"name": PORT_NAME, "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         # Liveness: the process serves. Readiness: it can place a request (a healthy decoder below full), so
         # while engines load (minutes on GPUs) the router is left alive and simply gets no traffic.
@@ -561,6 +860,7 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
             {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (a path in the pod)
             {"name": "batches", "mountPath": ROUTER_BATCH_PATH},
             _token_mount(),
+            *options.volume_mounts,
         ],
     }
     # Offline batches outlive a router pod only on a claim; an emptyDir still survives container restarts.
@@ -571,13 +871,22 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
     )
     pod_spec = {
         "serviceAccountName": child_name(pool.metadata.name, "router"),
+        "priorityClassName": options.priority_class_name,
+        "imagePullSecrets": options.image_pull_secrets or None,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": ROUTER_USER_ID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [_config_volume(pool), {"name": "tmp", "emptyDir": {}}, batches, _token_volume(pool)],
+        "volumes": [
+            _config_volume(pool),
+            {"name": "tmp", "emptyDir": {}},
+            batches,
+            _token_volume(pool),
+            *options.volumes,
+        ],
+        "topologySpreadConstraints": _spread(pool.metadata.name, "router", options.topology_spread_constraints),
     }
     annotations = {
         CONFIG_HASH_ANNOTATION: digest,
@@ -586,7 +895,7 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "prometheus.io/port": str(ROUTER_PORT),
         "prometheus.io/path": "/metrics",
     }
-    return _deployment(pool, "router", router.replicas, annotations, pod_spec)
+    return _deployment(pool, "router", router.replicas, annotations, pod_spec, options)
 
 
 # --- the router's identity: the Leases it runs offline batches under ---------------------------
@@ -657,6 +966,74 @@ def _engine_network_policy(pool: CoServePool) -> Manifest:
             },
             "policyTypes": ["Ingress"],
             "ingress": ingress,
+        },
+    }
+
+
+# --- PodDisruptionBudgets ----------------------------------------------------------------------
+
+
+def decoders_before_headroom(plan: Plan) -> int:
+    """The decoders the provisioning model needs before headroom: the decoders' floor under evictions.
+
+    The plan sizes decoders for its design rate D = min(M·R*, headroom·R) as
+    ``ceil(headroom · need(D))``, where need(D) = D·max(L_d/T_d, W/B) =
+    D / R* · decodersPerPrefiller. need(D) is what the design rate takes with
+    no spare, so a budget of ``ceil(need(D))`` lets evictions take only the
+    headroom's decoders. (``prefillers · decodersPerPrefiller`` would be the need
+    at M·R*, which can exceed the plan's decoders when the target rate is far
+    below one prefiller's saturation: a budget that blocks every eviction.)
+    At least 1 and at most ``plan.decoders``.
+    """
+    if plan.saturation_rate_per_s <= 0:
+        return plan.decoders
+    need = plan.design_rate_per_s / plan.saturation_rate_per_s * plan.decoders_per_prefiller
+    return min(plan.decoders, max(1, math.ceil(need - 1e-9 * max(1.0, need))))  # float noise is not a decoder
+
+
+def disruption_budget(spec: SpecModel, plan: Plan, component: EngineRole | Literal["router"]) -> Manifest | None:
+    """``component``'s budget, ``{"minAvailable": n}`` or ``{"maxUnavailable": n}``; ``None``: no budget.
+
+    ``spec.disruption.<role>`` wins when set. Otherwise each role keeps its minimum:
+
+    - router: 1 with two or more replicas; a single replica gets no budget (it restarts in seconds);
+    - prefillers: one less than planned, at least 1, so they leave one at a time and never the last.
+      The prefiller count sets the pool's saturation rate M·R*, so while one is away the pool saturates
+      one prefiller's R* sooner: the usual trade for letting nodes drain at all;
+    - decoders: ``decoders_before_headroom(plan)``; decoders hold the live conversations' KV.
+
+    With autoscaling, the engines' minimum is the one the user declared: ``autoscaling.<role>s.minReplicas``
+    (the replica count moves with load, the budget does not).
+    """
+    disruption = spec.disruption
+    if not disruption.enabled:
+        return None
+    override = getattr(disruption, component)
+    if override is not None:
+        return override.to_wire()  # type: ignore[no-any-return]
+    if component == "router":
+        return {"minAvailable": 1} if spec.router.replicas >= 2 else None
+    autoscaling = spec.autoscaling
+    if component == "prefiller":
+        floor = autoscaling.prefillers.min_replicas if autoscaling.enabled else max(1, plan.prefillers - 1)
+    else:
+        floor = autoscaling.decoders.min_replicas if autoscaling.enabled else decoders_before_headroom(plan)
+    return {"minAvailable": floor}
+
+
+def _disruption_budget(pool: CoServePool, plan: Plan, component: EngineRole | Literal["router"]) -> Manifest | None:
+    budget = disruption_budget(pool.spec, plan, component)
+    if budget is None:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(pool, component),
+        "spec": {
+            "selector": {"matchLabels": selector_for(pool.metadata.name, component)},
+            **budget,
+            # a pod that is not ready serves nothing: draining its node must not wait for it
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
