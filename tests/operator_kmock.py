@@ -33,6 +33,10 @@ CHILDREN = [
     ("v1/services", "chat-decoder"),
     ("v1/secrets", "chat-router-token"),
     ("networking.k8s.io/v1/networkpolicies", "chat-engines"),
+    # on by default (spec.disruption); the sample pool asks for no model cache claim
+    ("policy/v1/poddisruptionbudgets", "chat-router"),
+    ("policy/v1/poddisruptionbudgets", "chat-prefiller"),
+    ("policy/v1/poddisruptionbudgets", "chat-decoder"),
 ]
 # the emulator assigns no uid, generation or resourceVersion: the test gives them
 POOL: dict[str, Any] = sample_pool(namespace=NS, uid="uid-chat", generation=1, resourceVersion="1")
@@ -55,6 +59,9 @@ def declare_resources(kmock: kmocklib.KubernetesEmulator) -> None:
     declare("v1/serviceaccounts", "ServiceAccount")
     declare("rbac.authorization.k8s.io/v1/roles", "Role")
     declare("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding")
+    declare("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", subresources=frozenset({"status"}))
+    declare("v1/persistentvolumeclaims", "PersistentVolumeClaim", subresources=frozenset({"status"}))
+    declare("v1/pods", "Pod", subresources=frozenset({"status"}))
     declare("v1/events", "Event")
     declare("coordination.k8s.io/v1/leases", "Lease")
     declare("v1/namespaces", "Namespace", namespaced=False)

@@ -107,9 +107,20 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         for verb in r["verbs"]
     }
     assert not any("*" in item for item in granted)
-    assert not any(
-        verb in {"delete", "deletecollection", "update", "escalate", "bind", "impersonate"} for _, _, verb in granted
-    )
+    assert not any(verb in {"deletecollection", "update", "escalate", "bind", "impersonate"} for _, _, verb in granted)
+    # the one thing deleted: a disruption budget the user turned off
+    assert {(group, resource) for group, resource, verb in granted if verb == "delete"} == {
+        ("policy", "poddisruptionbudgets")
+    }
+    # pods: annotated with a deletion cost before a scale-down, never created, deleted or watched
+    assert {verb for _, resource, verb in granted if resource == "pods"} == {"get", "list", "patch"}
+    assert {verb for _, resource, verb in granted if resource == "persistentvolumeclaims"} == {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "patch",
+    }
     # Secrets: only the verbs the pools' router tokens need (no delete, no update)
     assert {verb for _, resource, verb in granted if resource == "secrets"} == {
         "get",

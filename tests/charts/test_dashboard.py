@@ -3,15 +3,18 @@ parsed by Prometheus's own promtool, and every metric it names one that coserve 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from charts.test_chart import CHART, render  # tests/ is on the path (pyproject: pythonpath)
 
@@ -58,11 +61,27 @@ def test_every_panel_query_parses(tmp_path: Path) -> None:
     assert subprocess.run([promtool, "check", "rules", str(broken)], capture_output=True, check=False).returncode != 0
 
 
+def engine_registry() -> CollectorRegistry:
+    """The coserve vLLM plugin's metrics (KV offload, safepoints), registered as vLLM registers them, with
+    prometheus_client's own classes bound to a registry of their own."""
+    from coserve.engine.kv_metrics import CoServeKVPromMetrics
+
+    registry = CollectorRegistry()
+    types: dict[type, Any] = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    CoServeKVPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["m", "0"]})
+    return registry
+
+
 def test_every_metric_a_panel_reads_is_exported() -> None:
     import coserve.operator.metrics  # noqa: F401 - registers the operator's metrics in the default registry
     from coserve.router.app import _Metrics
 
-    ours = exported(_Metrics().registry, "coserve_router_") | exported(REGISTRY, "coserve_operator_")
+    ours = (
+        exported(_Metrics().registry, "coserve_router_")
+        | exported(REGISTRY, "coserve_operator_")
+        | exported(engine_registry(), "coserve:")
+    )
+    assert {"coserve:safepoint_steps_total", "coserve_operator_plan_replicas"} <= ours  # every source is read
     vllm_source = "".join(
         path.read_text() for path in (Path(__import__("vllm").__file__).parent / "v1" / "metrics").glob("*.py")
     )

@@ -7,8 +7,9 @@ defaults filled in, and (in a raw LIST) items without ``apiVersion`` or ``kind``
 A reconcile of those must decide nothing; it once patched all seven children on
 every resync. The negative tests change the recordings to show the check can fail.
 
-The recordings predate the pool's router-token Secret, engine NetworkPolicy and router
-identity (ServiceAccount, Role, RoleBinding for its batch Leases), the token's mount in the pods
+The recordings predate the pool's router-token Secret, engine NetworkPolicy, router
+identity (ServiceAccount, Role, RoleBinding for its batch Leases) and PodDisruptionBudgets
+(one per role, on by default), the token's mount in the pods
 and the router's batch lock setting: ``upgraded`` applies what this version adds to them once, as the
 server would store it (a merge patch; quantities as strings; false booleans left out), and
 checks that an upgrade is exactly that. The world after the upgrade must then decide nothing.
@@ -127,9 +128,9 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-# What this version adds to what the recorded version created: five children, the token in three pod templates,
-# the router's ServiceAccount and namespace, and its batch lock in router.json.
-UPGRADE_CREATES = {"Secret", "NetworkPolicy", "ServiceAccount", "Role", "RoleBinding"}
+# What this version adds to what the recorded version created: five children and three disruption budgets, the
+# token in three pod templates, the router's ServiceAccount and namespace, and its batch lock in router.json.
+UPGRADE_CREATES = {"Secret", "NetworkPolicy", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget"}
 UPGRADE_PATCHES = {"Deployment", "ConfigMap"}
 
 
@@ -323,6 +324,10 @@ def test_replicas_the_autoscaler_set_are_kept() -> None:
     body = pool_body("llm", "agents")
     body["spec"]["autoscaling"].update(enabled=True, prometheusUrl="http://prometheus.monitoring:9090")
     observed = observed_for("llm", "agents", "raw-list")
+    # turning autoscaling on moves the engines' disruption budgets to its minReplicas: that is applied first
+    for action in decide(body, observed).actions:
+        assert (action.verb, action.kind) == ("patch", "PodDisruptionBudget"), action
+        observed[(action.kind, action.name)] = as_stored(merge_patch(observed[(action.kind, action.name)], action.body))
     observed[("Deployment", "agents-decoder")]["spec"]["replicas"] = 5
     observed[("Deployment", "agents-prefiller")]["spec"]["replicas"] = 2
     result = decide(body, observed)

@@ -6,6 +6,9 @@ replays a pool's router and vLLM metrics at a scripted load. The operator runs
 against kmock's Kubernetes emulator (a test double: no kube-apiserver runs
 here). The scrape config adds ``namespace`` and ``pool`` target labels, as the
 usual Kubernetes relabelling does, so the default selector matches.
+
+Decoder pods, which kmock cannot run, are objects the tests create with the
+labels and ``status.podIP`` the kubelet would give them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import contextlib
 import copy
 import itertools
+import logging
 import shutil
 import subprocess
 import tempfile
@@ -28,7 +32,8 @@ import kmock as kmocklib
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from coserve.operator.autoscaler import PrometheusError, query_prometheus
+from coserve.operator.autoscaler import PrometheusError, query_prometheus, query_prometheus_by
+from coserve.operator.deletion_cost import DELETION_COST_ANNOTATION
 from coserve.operator.metrics import AUTOSCALER_EVALUATIONS
 from operator_kmock import MERGE, NS, POOL, POOLS, POOLS_URL, condition, events, eventually, running_operator
 from router_served import free_port
@@ -79,17 +84,33 @@ class ScriptedPool:
         self.server.shutdown()
 
 
-class Prometheus:
-    """A real Prometheus server scraping ``target`` every second, with the pool's target labels."""
+class RouterReplica:
+    """A test exporter: one router replica's pin table, as ``coserve_router_pinned_conversations{decoder}``."""
 
-    def __init__(self, target: int) -> None:
+    def __init__(self, pins: dict[str, int]) -> None:
+        registry = CollectorRegistry()
+        self.pinned = Gauge("coserve_router_pinned_conversations", "pins", ["decoder"], registry=registry)
+        for decoder, count in pins.items():
+            self.pinned.labels(decoder).set(count)
+        self.port = free_port()
+        self.server, _ = start_http_server(self.port, addr="127.0.0.1", registry=registry)
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+class Prometheus:
+    """A real Prometheus server scraping ``targets`` every second, with the pool's target labels."""
+
+    def __init__(self, *targets: int) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="coserve-prometheus-"))
+        listed = ", ".join(f"'127.0.0.1:{target}'" for target in targets)
         (self.dir / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
             "scrape_configs:\n"
             "  - job_name: pool\n"
             "    static_configs:\n"
-            f"      - targets: ['127.0.0.1:{target}']\n"
+            f"      - targets: [{listed}]\n"
             f"        labels: {{namespace: {NS}, pool: chat}}\n"
         )
         self.port = free_port()
@@ -129,6 +150,58 @@ def scripted() -> Iterator[tuple[ScriptedPool, Prometheus]]:
     finally:
         prometheus.stop()
         exporter.close()
+
+
+# Two router replicas' pin tables: a conversation can be pinned in both (10.0.0.1 holds 5, not 8).
+ROUTER_PINS = (
+    {"http://10.0.0.1:8000": 5, "http://10.0.0.9:8000": 9},  # 10.0.0.9: a prefiller's address, never a decoder's
+    {"http://10.0.0.1:8000": 3, "http://[fd00::3]:8000": 2},
+)
+
+
+@pytest.fixture
+def routed() -> Iterator[tuple[ScriptedPool, Prometheus]]:
+    """``scripted``, plus two router replicas whose pin tables Prometheus scrapes too."""
+    exporter = ScriptedPool(rate=0.5)
+    routers = [RouterReplica(pins) for pins in ROUTER_PINS]
+    prometheus = Prometheus(exporter.port, *(router.port for router in routers))
+    try:
+        yield exporter, prometheus
+    finally:
+        prometheus.stop()
+        for router in routers:
+            router.close()
+        exporter.close()
+
+
+def pod(name: str, ip: str, *, role: str = "decoder", pool: str = "chat", cost: str | None = None) -> dict[str, Any]:
+    """A running pod as the kubelet reports it (kmock runs none): the Deployment's selector labels and an IP."""
+    annotations = {DELETION_COST_ANNOTATION: cost} if cost is not None else {}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "annotations": annotations,
+                     "labels": {"app.kubernetes.io/instance": pool, "coserve.dev/role": role}},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+    }  # fmt: skip
+
+
+def costs(kmock: kmocklib.KubernetesEmulator) -> dict[str, str | None]:
+    """Pod name -> its deletion-cost annotation."""
+    return {
+        name: (obj.get("metadata", {}).get("annotations") or {}).get(DELETION_COST_ANNOTATION)
+        for (resource, _, name), obj in kmock.objects.items()
+        if resource.plural == "pods" and not obj.deleted
+    }
+
+
+def writes_to(kmock: kmocklib.KubernetesEmulator, plural: str) -> list[tuple[int, Any]]:
+    """(position among all requests, request) of every PATCH to ``plural``."""
+    return [
+        (index, r) for index, r in enumerate(kmock)
+        if str(r.method).upper().endswith("PATCH") and r.resource is not None and r.resource.plural == plural
+    ]  # fmt: skip
 
 
 def autoscaled_pool(prometheus_url: str) -> dict[str, Any]:
@@ -286,3 +359,76 @@ async def eventually_series(client: httpx.AsyncClient, url: str) -> None:
             return
         await asyncio.sleep(0.1)
     raise AssertionError("prometheus never scraped the exporter")
+
+
+@pytest.mark.asyncio
+async def test_a_decoder_scale_down_first_marks_the_decoders_with_the_fewest_conversations(
+    kmock: kmocklib.KubernetesEmulator, routed: tuple[ScriptedPool, Prometheus]
+) -> None:
+    _, prometheus = routed
+    async with running_operator(kmock, autoscale_tick_s=0.2) as operator:
+        response = await operator.post(POOLS_URL, json=autoscaled_pool(prometheus.url))
+        assert response.status_code in (200, 201), response.text
+        await eventually(lambda: replicas(kmock), "the Deployments")
+        planned = replicas(kmock)[1]
+        assert planned > 1, "the plan must have decoders to remove"
+        for body in (
+            pod("chat-decoder-a", "10.0.0.1"),
+            pod("chat-decoder-b", "10.0.0.2", cost="7"),  # an older cost; no conversation now
+            pod("chat-decoder-c", "fd00::3"),
+            pod("chat-prefiller-a", "10.0.0.9", role="prefiller"),
+            pod("other-decoder-a", "10.0.0.1", pool="other"),
+        ):
+            created = await operator.post(f"/api/v1/namespaces/{NS}/pods", json=body)
+            assert created.status_code in (200, 201), created.text
+
+        # the measured 0.5/s wants fewer decoders once the 6 s window is covered
+        await eventually(lambda: replicas(kmock)[1] < planned, "the decoder scale-down", 30)
+        assert costs(kmock) == {
+            "chat-decoder-a": "5",  # the max over the router replicas' tables, not the sum
+            "chat-decoder-b": "0",
+            "chat-decoder-c": "2",  # IPv6, in brackets in the router's URL
+            "chat-prefiller-a": None,  # not a decoder: never annotated
+            "other-decoder-a": None,  # another pool's decoder
+        }
+        pod_patches = writes_to(kmock, "pods")
+        scale_downs = [
+            (index, r) for index, r in writes_to(kmock, "deployments")
+            if r.name == "chat-decoder" and (r.data.get("spec") or {}).get("replicas", planned) < planned
+        ]  # fmt: skip
+        assert len(pod_patches) == 3 and scale_downs
+        assert max(index for index, _ in pod_patches) < scale_downs[0][0]  # the costs were in place first
+
+
+@pytest.mark.asyncio
+async def test_a_scale_down_goes_ahead_when_the_pods_cannot_be_listed(
+    kmock: kmocklib.KubernetesEmulator, routed: tuple[ScriptedPool, Prometheus], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, prometheus = routed
+    caplog.set_level(logging.WARNING, logger="coserve.operator.autoscaler")
+    forbidden = kmocklib.KubernetesError(403, "Forbidden", 'pods is forbidden: cannot list resource "pods"')
+    kmock[kmocklib.resource("", "v1", "pods")] << forbidden  # RBAC without pods
+    async with running_operator(kmock, autoscale_tick_s=0.2) as operator:
+        response = await operator.post(POOLS_URL, json=autoscaled_pool(prometheus.url))
+        assert response.status_code in (200, 201), response.text
+        await eventually(lambda: replicas(kmock), "the Deployments")
+        planned = replicas(kmock)[1]
+        await eventually(lambda: replicas(kmock)[1] < planned, "the decoder scale-down, all the same", 30)
+        assert "chat: scaling decoders down without fresh pod deletion costs: HTTP 403" in caplog.text
+        assert writes_to(kmock, "pods") == []
+
+
+@pytest.mark.asyncio
+async def test_the_pins_query_answers_one_number_per_decoder(routed: tuple[ScriptedPool, Prometheus]) -> None:
+    _, prometheus = routed
+    query = f'max by (decoder) (coserve_router_pinned_conversations{{namespace="{NS}",pool="chat"}})'
+    async with httpx.AsyncClient(timeout=5) as client:
+        for _ in range(100):
+            pins = await query_prometheus_by(client, prometheus.url, query, name="pins", label="decoder")
+            if len(pins) == 3:
+                break
+            await asyncio.sleep(0.1)
+        assert pins == {"http://10.0.0.1:8000": 5, "http://10.0.0.9:8000": 9, "http://[fd00::3]:8000": 2}
+        with pytest.raises(PrometheusError) as scalar:
+            await query_prometheus_by(client, prometheus.url, "scalar(vector(1))", name="pins", label="decoder")
+        assert str(scalar.value) == "Prometheus query pins returns a scalar, not a vector"

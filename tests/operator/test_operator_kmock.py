@@ -21,7 +21,8 @@ import pytest
 kopf = pytest.importorskip("kopf")
 
 from coserve.operator.handlers import PoolReconciler  # noqa: E402 - after the importorskip
-from coserve.operator.kube import KubeClient, config_for  # noqa: E402
+from coserve.operator.kube import KubeClient, KubeError, config_for  # noqa: E402
+from coserve.operator.reconcile import ChildAction, Reconciliation  # noqa: E402
 from operator_kmock import (  # noqa: E402
     CHILDREN,
     MERGE,
@@ -29,6 +30,7 @@ from operator_kmock import (  # noqa: E402
     POOL,
     POOLS,
     POOLS_URL,
+    ApiServerEmulator,
     StoringEmulator,
     condition,
     create_pool,
@@ -45,7 +47,7 @@ pytestmark = pytest.mark.asyncio
 async def test_a_new_pool_gets_its_children_and_an_honest_status(kmock: kmocklib.KubernetesEmulator) -> None:
     async with running_operator(kmock) as operator:
         await create_pool(operator)
-        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all nine children")
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "every child")
         for resource, name in CHILDREN:
             child = kmock.objects[resource, NS, name]
             (owner,) = child["metadata"]["ownerReferences"]
@@ -109,7 +111,7 @@ async def test_a_spec_change_patches_the_children_in_place(kmock: kmocklib.Kuber
 async def test_a_child_deleted_or_edited_by_hand_is_put_back(kmock: kmocklib.KubernetesEmulator) -> None:
     async with running_operator(kmock) as operator:
         await create_pool(operator)
-        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all nine children")
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "every child")
         await asyncio.sleep(1.0)  # let kopf drain the events of the pool's own creation
 
         response = await operator.delete(f"/api/v1/namespaces/{NS}/services/chat-router")
@@ -164,7 +166,7 @@ async def test_ten_resyncs_of_a_converged_pool_write_nothing_and_post_no_event(
 ) -> None:
     async with running_operator(kmock) as operator:
         await create_pool(operator)
-        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all nine children")
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "every child")
         await eventually(lambda: condition(kmock, "Progressing")["reason"] == "WaitingForReplicas", "converged")
         # Someone else's annotation and a server-added default on a child: not the operator's to undo.
         others = {"metadata": {"annotations": {"example.com/owner": "someone-else"}},
@@ -203,7 +205,7 @@ async def test_a_semantically_invalid_pool_creates_nothing_and_says_why(kmock: k
 async def test_deleting_a_pool_lets_go_cleanly(kmock: kmocklib.KubernetesEmulator) -> None:
     async with running_operator(kmock) as operator:
         await create_pool(operator)
-        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all nine children")
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "every child")
         response = await operator.delete(f"{POOLS_URL}/chat")
         assert response.status_code == 200
         await eventually(lambda: kmock.objects[POOLS, NS, "chat"].deleted, "the pool gone (no finalizer holds it)")
@@ -244,3 +246,122 @@ async def test_concurrent_triggers_share_a_reconcile_that_started_after_them(
         posts = [r for r in kmock if str(r.method).upper().endswith("POST") and r.resource is not None]
         assert len([r for r in posts if r.resource.plural == "deployments"]) == 3  # created once each
         assert await reconciler.reconcile(NS, "chat") is not None and runs == 3  # a later trigger runs anew
+
+
+PDBS = "policy/v1/poddisruptionbudgets"
+
+
+@pytest.fixture
+def decoder_budget(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """The pool renders a decoder PodDisruptionBudget while ``["on"]``; built here, so these tests do not depend on
+    which budgets the pool's spec renders by default (any other budget is left out)."""
+    from coserve.operator import handlers, resources
+    from coserve.operator import reconcile as module
+
+    wanted = {"on": True}
+    children = tuple(dict.fromkeys((*resources.CHILDREN, ("PodDisruptionBudget", "decoder"))))
+    monkeypatch.setattr(resources, "CHILDREN", children)  # what the reconciler reads
+    monkeypatch.setattr(handlers, "CHILDREN", children)  # what the operator watches
+    real = module.build_children
+
+    def build(pool: Any, plan: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        out = [child for child in real(pool, plan, **kwargs) if child["kind"] != "PodDisruptionBudget"]
+        if wanted["on"]:
+            metadata = {"name": "chat-decoder", "namespace": NS, "labels": resources.labels_for("chat", "decoder"),
+                        "ownerReferences": resources.owner_references(pool)}  # fmt: skip
+            spec = {"maxUnavailable": 1, "selector": {"matchLabels": resources.selector_for("chat", "decoder")}}
+            out.append({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": metadata, "spec": spec})
+        return out
+
+    monkeypatch.setattr(module, "build_children", build)
+    return wanted
+
+
+async def test_a_budget_is_kept_while_asked_for_and_deleted_when_turned_off(
+    kmock: kmocklib.KubernetesEmulator, decoder_budget: dict[str, bool]
+) -> None:
+    async with running_operator(kmock) as operator:
+        await create_pool(operator)
+        await eventually(lambda: exists(kmock, PDBS, "chat-decoder"), "the decoder's disruption budget")
+        budget = kmock.objects[PDBS, NS, "chat-decoder"]
+        assert budget["spec"]["maxUnavailable"] == 1 and budget["metadata"]["ownerReferences"][0]["uid"] == "uid-chat"
+        await asyncio.sleep(1.0)  # let kopf drain the events of the pool's own creation
+        url = f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/chat-decoder"
+        response = await operator.delete(url)  # deleted by hand: put back (the watch on policy/v1)
+        assert response.status_code == 200
+        await eventually(lambda: exists(kmock, PDBS, "chat-decoder"), "the budget recreated")
+        # the emulator assigns no uid; the API server would: the delete must name the object seen
+        response = await operator.patch(url, headers=MERGE, json={"metadata": {"uid": "uid-budget"}})
+        assert response.status_code == 200
+        await asyncio.sleep(1.5)  # a resync sees it
+
+        decoder_budget["on"] = False  # the user turns the budget off
+        await eventually(lambda: not exists(kmock, PDBS, "chat-decoder"), "the budget deleted", 10)
+        deletes = [dict(r.data or {}) for r in kmock
+                   if str(r.method).upper().endswith("DELETE") and r.name == "chat-decoder"][1:]  # fmt: skip
+        assert deletes == [{"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": "uid-budget"}}]
+        deleted = await eventually(lambda: events(kmock, "Deleted"), "a Deleted event")
+        assert "PodDisruptionBudget chat-decoder deleted" in deleted[0]["message"]
+        await asyncio.sleep(1.5)  # a resync later: not created again, nothing else deleted
+        assert not exists(kmock, PDBS, "chat-decoder")
+        assert all(exists(kmock, r, n) for r, n in CHILDREN if r != PDBS)
+
+
+async def test_the_client_reads_writes_and_deletes_the_new_kinds(kmock: kmocklib.KubernetesEmulator) -> None:
+    declare_resources(kmock)
+    async with KubeClient(config_for(str(kmock.url).rstrip("/"))) as kube:
+        labels = {"app.kubernetes.io/instance": "chat", "coserve.dev/role": "decoder"}
+        await kube.create("PodDisruptionBudget", NS, {
+            "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "chat-decoder"},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}}})  # fmt: skip
+        await kube.create("PersistentVolumeClaim", NS, {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "chat-model-cache"},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "100Gi"}}}})  # fmt: skip
+        await kube.create("Pod", NS, {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "chat-decoder-a", "labels": labels},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]}})  # fmt: skip
+        (pod,) = await kube.list("Pod", NS, "app.kubernetes.io/instance=chat,coserve.dev/role=decoder")
+        assert (pod["apiVersion"], pod["kind"], pod["metadata"]["name"]) == ("v1", "Pod", "chat-decoder-a")
+        patch = {"metadata": {"annotations": {"controller.kubernetes.io/pod-deletion-cost": "3"}}}
+        await kube.merge_patch("Pod", NS, "chat-decoder-a", patch)
+        assert (
+            kmock.objects["v1/pods", NS, "chat-decoder-a"]["metadata"]["annotations"]
+            == patch["metadata"]["annotations"]
+        )
+        claim = await kube.get("PersistentVolumeClaim", NS, "chat-model-cache")
+        assert claim is not None and claim["spec"]["resources"]["requests"]["storage"] == "100Gi"
+        (budget,) = await kube.list("PodDisruptionBudget", NS)
+        assert budget["apiVersion"] == "policy/v1"
+        await kube.delete("PodDisruptionBudget", NS, "chat-decoder", uid="uid-budget")
+        assert not exists(kmock, PDBS, "chat-decoder")
+        with pytest.raises(KubeError) as gone:
+            await kube.delete("PodDisruptionBudget", NS, "chat-decoder")
+        assert gone.value.status == 404
+
+
+@pytest.mark.kmock(cls=ApiServerEmulator)  # errors as the API server answers them
+async def test_a_claim_resize_the_api_server_refuses_is_a_warning_not_a_failed_reconcile(
+    kmock: kmocklib.KubernetesEmulator,
+) -> None:
+    declare_resources(kmock)
+    # what the PersistentVolumeClaimResize admission plugin answers for a storage class that cannot expand
+    refusal = ("only dynamically provisioned pvc can be resized and the storageclass that provisions the pvc must "
+               "support resize")  # fmt: skip
+    grow = ChildAction("patch", "PersistentVolumeClaim", "chat-model-cache",
+                       {"spec": {"resources": {"requests": {"storage": "200Gi"}}}},
+                       "drifted: spec.resources.requests.storage")  # fmt: skip
+    async with KubeClient(config_for(str(kmock.url).rstrip("/"))) as kube:
+        await kube.create("PersistentVolumeClaim", NS, {
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "chat-model-cache"},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "100Gi"}}}})  # fmt: skip
+        kmock[kmocklib.resource("", "v1", "persistentvolumeclaims")] << kmocklib.KubernetesError(
+            403, "Forbidden", refusal
+        )
+        current, refusals = await PoolReconciler(kube)._apply(NS, "chat", Reconciliation((grow,), {}, (), True))
+    assert current  # nothing to decide again: the next resync tries once more
+    (warning,) = refusals
+    assert (warning.type, warning.reason) == ("Warning", "ChildRefused")
+    assert warning.message == (
+        "PersistentVolumeClaim chat-model-cache was not patched (drifted: spec.resources.requests.storage): "
+        f"HTTP 403 Forbidden: {refusal}"
+    )

@@ -71,6 +71,10 @@ def test_a_new_pool_creates_every_child_and_reports_progress() -> None:
         ("create", "ServiceAccount", "chat-router"),
         ("create", "Role", "chat-router"),
         ("create", "RoleBinding", "chat-router"),
+        # on by default; no model cache claim: the sample pool asks for none
+        ("create", "PodDisruptionBudget", "chat-router"),
+        ("create", "PodDisruptionBudget", "chat-prefiller"),
+        ("create", "PodDisruptionBudget", "chat-decoder"),
     ]
     for action in result.actions:
         (owner,) = action.body["metadata"]["ownerReferences"]
@@ -127,6 +131,8 @@ def test_a_spec_change_patches_the_children_it_affects() -> None:
         ("Deployment", "chat-prefiller"),
         ("Deployment", "chat-decoder"),
         ("ConfigMap", "chat-config"),
+        ("PodDisruptionBudget", "chat-prefiller"),  # the budgets follow the plan
+        ("PodDisruptionBudget", "chat-decoder"),
     }
     assert ("Deployment", "chat-decoder") in patched
     assert all(a.verb == "patch" for a in result.actions)
@@ -256,7 +262,7 @@ def test_status_written_by_others_does_not_break_a_reconcile() -> None:
     body = pool()
     body["status"] = {"kopf": {"progress": {}}, "conditions": [{"type": "Bogus"}], "plan": "not a plan"}
     result = reconcile(body, {}, NOW)
-    assert result.plan_valid and len(result.actions) == 12
+    assert result.plan_valid and len(result.actions) == 15
     assert "kopf" not in result.status
 
 
@@ -404,3 +410,233 @@ def test_a_removed_false_security_setting_is_drift() -> None:
     desired = {"securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True}}
     assert drift(desired, {"securityContext": {"runAsNonRoot": True}}) == ["securityContext.allowPrivilegeEscalation"]
     assert drift({"spec": {"publishNotReadyAddresses": False}}, {"spec": {}}) == []
+
+
+# --- optional children: disruption budgets and the model cache claim -----------------------------------------------
+
+OPTIONAL_KINDS = ("PodDisruptionBudget", "PersistentVolumeClaim")
+
+
+def _child(kind: str, api_version: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """An optional child as the pool renders it (by hand, so these tests do not depend on which are rendered)."""
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {
+            "name": name,
+            "namespace": "serving",
+            "labels": {"app.kubernetes.io/instance": "chat", "app.kubernetes.io/managed-by": "coserve-operator"},
+            "ownerReferences": [{"apiVersion": "coserve.dev/v1alpha1", "kind": "CoServePool", "name": "chat",
+                                 "uid": UID, "controller": True, "blockOwnerDeletion": True}],
+        },
+        "spec": spec,
+    }  # fmt: skip
+
+
+def budget(role: str, **spec: Any) -> dict[str, Any]:
+    selector = {"matchLabels": {"app.kubernetes.io/instance": "chat", "coserve.dev/role": role}}
+    return _child("PodDisruptionBudget", "policy/v1", f"chat-{role}", {"selector": selector, **spec})
+
+
+def claim(storage: str = "100Gi", **spec: Any) -> dict[str, Any]:
+    body = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": storage}}, **spec}
+    return _child("PersistentVolumeClaim", "v1", "chat-model-cache", body)
+
+
+def stored_claim(rendered: dict[str, Any]) -> dict[str, Any]:
+    """A claim as the API server and the provisioner keep it: defaults, a bound volume, a finalizer, status."""
+    out = copy.deepcopy(rendered)
+    out["metadata"] |= {"uid": "uid-claim", "resourceVersion": "9", "finalizers": ["kubernetes.io/pvc-protection"]}
+    out["spec"].setdefault("storageClassName", "standard")
+    out["spec"] |= {"volumeMode": "Filesystem", "volumeName": "pvc-0b6a1c0e"}
+    out["status"] = {"phase": "Bound", "accessModes": ["ReadWriteOnce"], "capacity": {"storage": "100Gi"}}
+    return out
+
+
+@pytest.fixture
+def optional(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The optional children the pool renders: the test fills the list; the real ones are left out."""
+    from coserve.operator import reconcile as module
+
+    rendered: list[dict[str, Any]] = []
+    real = module.build_children
+
+    def build(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        children = [c for c in real(*args, **kwargs) if c["kind"] not in OPTIONAL_KINDS]
+        return children + copy.deepcopy(rendered)
+
+    monkeypatch.setattr(module, "build_children", build)
+    return rendered
+
+
+def converged(body: dict[str, Any]) -> dict[ChildKey, dict[str, Any] | None]:
+    """Every rendered child as stored, and every optional child the pool does not render absent."""
+    observed: dict[ChildKey, dict[str, Any] | None] = dict(applied(body))
+    for key in [("PodDisruptionBudget", f"chat-{r}") for r in ("router", "prefiller", "decoder")] + [
+        ("PersistentVolumeClaim", "chat-model-cache")
+    ]:
+        observed.setdefault(key, None)
+    return observed
+
+
+def test_an_optional_child_not_rendered_is_neither_created_nor_waited_for(optional: list[dict[str, Any]]) -> None:
+    observed = converged(pool())
+    assert all(observed[key] is None for key in observed if key[0] in OPTIONAL_KINDS)
+    result = reconcile(with_status(pool(), observed), observed, LATER)
+    assert result.actions == () and result.events == ()
+    assert condition(result.status, "Ready")["status"] == "True"
+    assert condition(result.status, "Progressing")["reason"] == "Converged"
+
+
+def test_a_rendered_budget_is_created_then_left_alone(optional: list[dict[str, Any]]) -> None:
+    optional.append(budget("decoder", maxUnavailable=1))
+    first = reconcile(pool(), {}, NOW)
+    assert ("create", "PodDisruptionBudget", "chat-decoder") in [(a.verb, a.kind, a.name) for a in first.actions]
+    observed = converged(pool())
+    stored = observed[("PodDisruptionBudget", "chat-decoder")]
+    assert stored is not None
+    stored["status"] = {"currentHealthy": 2, "desiredHealthy": 1, "disruptionsAllowed": 1, "expectedPods": 2}
+    result = reconcile(with_status(pool(), observed), observed, LATER)
+    assert result.actions == ()
+
+
+def test_a_budget_the_pool_no_longer_renders_is_deleted_if_the_pool_controls_it(
+    optional: list[dict[str, Any]],
+) -> None:
+    optional.append(budget("decoder", maxUnavailable=1))
+    observed = converged(pool())
+    body = with_status(pool(), observed)
+    optional.clear()  # the user turned the budget off
+    result = reconcile(body, observed, LATER)
+    (action,) = result.actions
+    assert (action.verb, action.kind, action.name) == ("delete", "PodDisruptionBudget", "chat-decoder")
+    assert action.body == {"metadata": {"name": "chat-decoder", "uid": "uid-chat-decoder"}}  # only that object
+    assert [(e.type, e.reason) for e in result.events] == [("Normal", "Deleted")]
+    assert "PodDisruptionBudget chat-decoder deleted" in result.events[0].message
+    assert condition(result.status, "Progressing")["reason"] == "Reconciling"
+    # once it is gone, nothing more to do
+    observed[("PodDisruptionBudget", "chat-decoder")] = None
+    again = reconcile({**body, "status": result.status}, observed, LATER)
+    assert again.actions == () and condition(again.status, "Progressing")["reason"] == "Converged"
+
+
+def test_a_budget_someone_else_owns_or_that_is_going_is_not_deleted(optional: list[dict[str, Any]]) -> None:
+    optional.append(budget("decoder", maxUnavailable=1))
+    observed = converged(pool())
+    body = with_status(pool(), observed)
+    optional.clear()
+    theirs = observed[("PodDisruptionBudget", "chat-decoder")]
+    assert theirs is not None
+    theirs["metadata"]["ownerReferences"] = []
+    result = reconcile(body, observed, LATER)
+    assert result.actions == ()
+    assert condition(result.status, "Degraded")["status"] == "False"  # not the pool's, not asked for: no conflict
+    theirs["metadata"]["ownerReferences"] = budget("decoder")["metadata"]["ownerReferences"]
+    theirs["metadata"]["deletionTimestamp"] = "2026-12-02T12:04:00Z"
+    assert reconcile(body, observed, LATER).actions == ()
+
+
+def test_a_budget_switching_to_the_other_bound_removes_the_old_one(optional: list[dict[str, Any]]) -> None:
+    optional.append(budget("decoder", minAvailable=1))
+    observed = converged(pool())
+    body = with_status(pool(), observed)
+    optional[:] = [budget("decoder", maxUnavailable="25%")]
+    (action,) = reconcile(body, observed, LATER).actions
+    assert action.verb == "patch" and "spec.minAvailable" in action.reason and "spec.maxUnavailable" in action.reason
+    assert action.body["spec"]["minAvailable"] is None  # a merge patch removes it only when told to
+    assert action.body["spec"]["maxUnavailable"] == "25%"
+    stored = observed[("PodDisruptionBudget", "chat-decoder")]
+    assert stored is not None
+    del stored["spec"]["minAvailable"]
+    stored["spec"]["maxUnavailable"] = "25%"
+    assert reconcile(body, observed, LATER).actions == ()
+
+
+def test_a_claim_the_server_filled_in_needs_nothing(optional: list[dict[str, Any]]) -> None:
+    optional.append(claim())
+    first = reconcile(pool(), {}, NOW)
+    assert ("create", "PersistentVolumeClaim", "chat-model-cache") in [(a.verb, a.kind, a.name) for a in first.actions]
+    observed = converged(pool())
+    observed[("PersistentVolumeClaim", "chat-model-cache")] = stored_claim(claim())
+    result = reconcile(with_status(pool(), observed), observed, LATER)
+    assert result.actions == ()
+    assert condition(result.status, "Degraded")["status"] == "False"
+
+
+def test_a_claim_grows_but_never_shrinks_and_its_other_spec_fields_are_never_patched(
+    optional: list[dict[str, Any]],
+) -> None:
+    optional.append(claim("100Gi", storageClassName="fast"))
+    observed = converged(pool())
+    observed[("PersistentVolumeClaim", "chat-model-cache")] = stored_claim(claim("100Gi", storageClassName="fast"))
+    body = with_status(pool(), observed)
+
+    optional[:] = [claim("200Gi", storageClassName="fast")]  # growth: only the storage request is sent
+    (action,) = reconcile(body, observed, LATER).actions
+    assert (action.verb, action.kind) == ("patch", "PersistentVolumeClaim")
+    assert action.body == {"spec": {"resources": {"requests": {"storage": "200Gi"}}}}
+    assert action.reason == "drifted: spec.resources.requests.storage"
+
+    optional[:] = [claim("102400Mi", storageClassName="fast")]  # the same size, written another way
+    assert reconcile(body, observed, LATER).actions == ()
+
+    optional[:] = [claim("50Gi", storageClassName="slow", accessModes=["ReadWriteMany"])]
+    result = reconcile(body, observed, LATER)
+    assert result.actions == ()  # the API server would refuse each of these
+    degraded = condition(result.status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ChildImmutable")
+    for part in ("PersistentVolumeClaim chat-model-cache", "spec.accessModes", "spec.storageClassName",
+                 "spec.resources.requests.storage (cannot shrink from 100Gi to 50Gi)"):  # fmt: skip
+        assert part in degraded["message"]
+    assert condition(result.status, "Ready")["status"] == "True"  # the pool still serves
+    assert [(e.type, e.reason) for e in result.events] == [("Warning", "ChildImmutable")]
+    again = reconcile({**body, "status": result.status}, observed, LATER)
+    assert again.events == () and again.status == result.status  # said once, kept in the condition
+
+
+def test_a_claim_gets_its_labels_back_and_is_not_deleted_when_no_longer_rendered(
+    optional: list[dict[str, Any]],
+) -> None:
+    optional.append(claim())
+    observed = converged(pool())
+    stored = stored_claim(claim())
+    stored["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "someone"
+    observed[("PersistentVolumeClaim", "chat-model-cache")] = stored
+    body = with_status(pool(), observed)
+    (action,) = reconcile(body, observed, LATER).actions
+    assert action.body == {"metadata": claim()["metadata"]}  # metadata only: never the spec
+    optional.clear()  # the pool stops asking for a cache: the claim and its data stay
+    assert reconcile(body, observed, LATER).actions == ()
+
+
+def test_turning_the_budgets_off_deletes_them() -> None:
+    observed = applied(pool())
+    assert {name for kind, name in observed if kind == "PodDisruptionBudget"} == {
+        "chat-router", "chat-prefiller", "chat-decoder"}  # fmt: skip
+    off = pool(disruption={"enabled": False})
+    result = reconcile(with_status(off, observed, written_for=pool()), observed, LATER)
+    assert sorted((a.verb, a.kind, a.name) for a in result.actions) == [
+        ("delete", "PodDisruptionBudget", name) for name in ("chat-decoder", "chat-prefiller", "chat-router")
+    ]
+    for kind, name in [k for k in observed if k[0] == "PodDisruptionBudget"]:
+        del observed[(kind, name)]
+    assert reconcile(with_status(off, observed), observed, LATER).actions == ()
+
+
+def test_a_model_cache_size_creates_a_claim_that_then_only_grows() -> None:
+    cached = pool(model={**POOL["spec"]["model"], "cache": {"size": "100Gi"}})
+    created = [a for a in reconcile(cached, {}, NOW).actions if a.kind == "PersistentVolumeClaim"]
+    assert [(a.verb, a.name) for a in created] == [("create", "chat-model-cache")]
+    observed = applied(cached)
+    observed[("PersistentVolumeClaim", "chat-model-cache")] = stored_claim(created[0].body)
+    assert reconcile(with_status(cached, observed), observed, LATER).actions == ()
+    bigger = pool(model={**POOL["spec"]["model"], "cache": {"size": "200Gi"}})
+    claims = [a for a in reconcile(with_status(bigger, observed), observed, LATER).actions
+              if a.kind == "PersistentVolumeClaim"]  # fmt: skip
+    assert [(a.verb, a.body) for a in claims] == [
+        ("patch", {"spec": {"resources": {"requests": {"storage": "200Gi"}}}})
+    ]
+    # no size (the user's own claim, or none): the operator's claim stays, with the model's weights on it
+    uncached = pool()
+    actions = reconcile(with_status(uncached, observed), observed, LATER).actions
+    assert not [a for a in actions if a.kind == "PersistentVolumeClaim"]

@@ -93,7 +93,8 @@ def test_streamed_tokens_are_counted_from_vllms_usage_which_only_clients_that_as
         assert len(events) == 3 + asked
     assert all(r["stream_options"]["include_usage"] for r in pool["decoders"][1].requests)
     metrics = httpx.get(f"{pool['router']}/metrics").text
-    assert "coserve_router_output_tokens_total 6.0" in metrics  # 3 + 3, from usage, not from counting events
+    # 3 + 3, from usage, not from counting events, under the class the requests ran as
+    assert 'coserve_router_output_tokens_total{cls="standard"} 6.0' in metrics
 
 
 def test_a_dead_decoder_re_places_the_conversation_and_loses_no_request(pool: dict[str, Any]) -> None:

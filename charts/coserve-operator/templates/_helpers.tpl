@@ -61,6 +61,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
   verbs: ["get", "create", "patch"]
+# each pool's disruption budgets; delete: a budget the user turns off goes (only the pool's own, by uid)
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# a pool's model cache claim: created, its storage request grown; never deleted (it goes with the pool)
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# decoder pods get a pod-deletion-cost annotation before a scale-down (listed by the decoder selector)
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "patch"]
 # a repeated Event is counted on one object (get, patch) instead of posted anew
 - apiGroups: [""]
   resources: ["events"]

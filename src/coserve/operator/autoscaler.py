@@ -19,6 +19,15 @@ never interleave with a reconcile's):
    prefiller and decoder Deployments (a Normal ``Scaled`` event says why);
    ``status.autoscaling`` records the signals, the recommendation, the replicas
    chosen and the reason, and AutoscalingActive=True.
+
+Before the decoder Deployment is scaled down, each decoder pod gets the
+``controller.kubernetes.io/pod-deletion-cost`` annotation set to the live
+conversations pinned to it (``coserve.operator.deletion_cost``; the router's
+``coserve_router_pinned_conversations`` through Prometheus, matched to pods by
+``status.podIP``), so the ReplicaSet controller removes the least-loaded decoders
+first. If that query or the pod listing fails, the scale-down goes ahead with the
+costs the pods already carry (a warning is logged, nothing new is written): the
+removed decoders' drain hook still lets their conversations finish or move.
 """
 
 from __future__ import annotations
@@ -55,12 +64,19 @@ from coserve.api.status import (
 from coserve.autoscaling.policy import Decision, Recommendation, Replicas, Signals, decide, hold_reason, thresholds_for
 from coserve.autoscaling.queries import SIGNALS, queries_for
 from coserve.operator.cache import ObjectCache
+from coserve.operator.deletion_cost import (
+    DECODER_LABEL,
+    DELETION_COST_ANNOTATION,
+    DecoderPod,
+    deletion_costs,
+    pinned_conversations_query,
+)
 from coserve.operator.kube import KubeClient, KubeError
 from coserve.operator.metrics import AUTOSCALER_EVALUATIONS
 from coserve.operator.reconcile import PoolEvent
-from coserve.operator.resources import child_name
+from coserve.operator.resources import child_name, selector_for
 
-__all__ = ["Autoscaler", "PrometheusError", "query_prometheus"]
+__all__ = ["Autoscaler", "PrometheusError", "query_prometheus", "query_prometheus_by"]
 
 logger = logging.getLogger("coserve.operator.autoscaler")
 
@@ -119,6 +135,59 @@ async def query_prometheus(client: httpx.AsyncClient, base_url: str, promql: str
     No data is an empty vector, NaN or ±Inf. Errors are ``PrometheusError``s whose messages never quote the
     server's answer (see the class).
     """
+    result_type, result = await _instant_query(client, base_url, promql, name=name)
+    try:
+        if result_type == "scalar" and isinstance(result, list):
+            value = float(result[1])
+        elif result_type == "vector" and isinstance(result, list):
+            if not result:
+                return None
+            if len(result) > 1:
+                raise PrometheusError(
+                    "QueryFailed",
+                    f"Prometheus query {name} returns {len(result)} series; aggregate it to one (sum, avg)",
+                )
+            value = float(result[0]["value"][1])
+        else:
+            raise PrometheusError("QueryFailed", f"Prometheus query {name} returns {_shown(result_type)}, not a number")
+    except (LookupError, TypeError, ValueError) as error:  # a malformed sample; its text is not shown
+        raise PrometheusError(
+            "QueryFailed", f"Prometheus query {name} returns a sample that is not a number"
+        ) from error
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+async def query_prometheus_by(
+    client: httpx.AsyncClient, base_url: str, promql: str, *, name: str, label: str
+) -> dict[str, float]:
+    """One instant query returning an instant vector: ``label``'s value -> the sample's number.
+
+    Samples without ``label`` or whose value is NaN are left out; an empty vector is an empty dict.
+    Errors are ``PrometheusError``s, as ``query_prometheus``'s.
+    """
+    result_type, result = await _instant_query(client, base_url, promql, name=name)
+    if result_type != "vector" or not isinstance(result, list):
+        raise PrometheusError("QueryFailed", f"Prometheus query {name} returns {_shown(result_type)}, not a vector")
+    out: dict[str, float] = {}  # label value -> sample value
+    try:
+        for sample in result:
+            key = sample["metric"].get(label)
+            value = float(sample["value"][1])
+            if isinstance(key, str) and not math.isnan(value):
+                out[key] = value
+    except (LookupError, TypeError, ValueError, AttributeError) as error:
+        raise PrometheusError("QueryFailed", f"Prometheus query {name} returns a malformed sample") from error
+    return out
+
+
+def _shown(result_type: object) -> str:
+    """A result type for a message: only the documented ones are named."""
+    known = isinstance(result_type, str) and result_type in _RESULT_TYPES
+    return f"a {result_type}" if known else "an unknown result type"
+
+
+async def _instant_query(client: httpx.AsyncClient, base_url: str, promql: str, *, name: str) -> tuple[Any, Any]:
+    """``(resultType, result)`` of a successful instant query; anything else is a ``PrometheusError``."""
     url = base_url.rstrip("/") + "/api/v1/query"
     try:
         response = await client.get(url, params={"query": promql})
@@ -142,28 +211,7 @@ async def query_prometheus(client: httpx.AsyncClient, base_url: str, promql: str
         raise PrometheusError("QueryFailed", problem)
     data = document.get("data")
     data = data if isinstance(data, dict) else {}
-    result, result_type = data.get("result"), data.get("resultType")
-    try:
-        if result_type == "scalar" and isinstance(result, list):
-            value = float(result[1])
-        elif result_type == "vector" and isinstance(result, list):
-            if not result:
-                return None
-            if len(result) > 1:
-                raise PrometheusError(
-                    "QueryFailed",
-                    f"Prometheus query {name} returns {len(result)} series; aggregate it to one (sum, avg)",
-                )
-            value = float(result[0]["value"][1])
-        else:
-            known = isinstance(result_type, str) and result_type in _RESULT_TYPES
-            shown = f"a {result_type}" if known else "an unknown result type"
-            raise PrometheusError("QueryFailed", f"Prometheus query {name} returns {shown}, not a number")
-    except (LookupError, TypeError, ValueError) as error:  # a malformed sample; its text is not shown
-        raise PrometheusError(
-            "QueryFailed", f"Prometheus query {name} returns a sample that is not a number"
-        ) from error
-    return None if math.isnan(value) or math.isinf(value) else value
+    return data.get("resultType"), data.get("result")
 
 
 @dataclass(frozen=True)
@@ -250,7 +298,7 @@ class Autoscaler:
             outcome, signals = await self._decide(namespace, body, pool, current, previous)
             AUTOSCALER_EVALUATIONS.labels(outcome.reason).inc()
             if outcome.decision is not None and outcome.decision.replicas != current:
-                await self._scale(namespace, name, current, outcome.decision.replicas)
+                await self._scale(namespace, pool, current, outcome.decision.replicas)
                 await self.post_event(namespace, body, PoolEvent("Normal", "Scaled", _scaled_message(
                     current, outcome.decision)))  # fmt: skip
             await self._write_status(namespace, name, body, previous, outcome, signals)
@@ -313,15 +361,48 @@ class Autoscaler:
         reason = "Scaled" if decision.replicas != current else "Evaluated"
         return _Outcome(True, reason, decision.reason, decision), seen
 
-    async def _scale(self, namespace: str, name: str, current: Replicas, wanted: Replicas) -> None:
+    async def _scale(self, namespace: str, pool: CoServePool, current: Replicas, wanted: Replicas) -> None:
+        name = pool.metadata.name
         for role, have, want in (("prefiller", current.prefillers, wanted.prefillers),
                                  ("decoder", current.decoders, wanted.decoders)):  # fmt: skip
             if have == want:
                 continue
+            if role == "decoder" and want < have:
+                await self._set_deletion_costs(namespace, pool)
             deployment = child_name(name, role)
             written = await self.kube.merge_patch("Deployment", namespace, deployment, {"spec": {"replicas": want}})
             self.cache.put("Deployment", written)
             logger.info("%s/%s: %s %d -> %d replicas", namespace, name, deployment, have, want)
+
+    async def _set_deletion_costs(self, namespace: str, pool: CoServePool) -> None:
+        """Annotate each decoder pod with the conversations pinned to it (module docstring); never raises.
+
+        Best effort: if Prometheus or the pod listing fails, a warning is logged and nothing is written, and the
+        scale-down goes ahead; a decoder the ReplicaSet controller then removes still drains its conversations.
+        """
+        name, scaling = pool.metadata.name, pool.spec.autoscaling
+        labels = selector_for(name, "decoder")
+        query = pinned_conversations_query(namespace, name, scaling.selector)
+        try:
+            pins = await query_prometheus_by(
+                self.http, str(scaling.prometheus_url), query, name="pinnedConversations", label=DECODER_LABEL
+            )
+            listed = await self.kube.list("Pod", namespace, ",".join(f"{k}={v}" for k, v in labels.items()))
+        except (PrometheusError, KubeError) as error:
+            logger.warning("%s/%s: scaling decoders down without fresh pod deletion costs: %s", namespace, name, error)
+            return
+        pods = [_decoder_pod(pod) for pod in listed if _selected(pod, labels) and not _terminating(pod)]
+        for patch in deletion_costs(pods, pins):
+            try:
+                await self.kube.merge_patch(
+                    "Pod", namespace, patch.pod, {"metadata": {"annotations": patch.annotations()}}
+                )
+            except KubeError as error:  # e.g. the pod is gone meanwhile
+                logger.warning(
+                    "%s/%s: could not set the deletion cost of pod %s: %s", namespace, name, patch.pod, error
+                )
+                continue
+            logger.info("%s/%s: pod %s deletion cost %d", namespace, name, patch.pod, patch.cost)
 
     async def _write_status(
         self, namespace: str, name: str, body: Mapping[str, Any], previous: AutoscalingStatus, outcome: _Outcome,
@@ -367,6 +448,27 @@ class Autoscaler:
                 raise
         if not outcome.active and (was is None or was.status == ConditionStatus.TRUE or was.reason != outcome.reason):
             await self.post_event(namespace, body, PoolEvent("Warning", outcome.reason, outcome.message))
+
+
+def _selected(pod: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """The pod carries ``labels`` (checked again: not every API server applies a list's label selector)."""
+    have = (pod.get("metadata") or {}).get("labels") or {}
+    return all(have.get(key) == value for key, value in labels.items())
+
+
+def _terminating(pod: Mapping[str, Any]) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
+def _decoder_pod(pod: Mapping[str, Any]) -> DecoderPod:
+    metadata = pod.get("metadata") or {}
+    ip = (pod.get("status") or {}).get("podIP")
+    cost = (metadata.get("annotations") or {}).get(DELETION_COST_ANNOTATION)
+    return DecoderPod(
+        name=str(metadata.get("name")),
+        ip=ip if isinstance(ip, str) and ip else None,
+        cost=cost if isinstance(cost, str) else None,
+    )
 
 
 def _status_of(body: Mapping[str, Any]) -> StatusModel:

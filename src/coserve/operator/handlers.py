@@ -12,21 +12,24 @@ runs are coalesced into the next):
 - every ``resync_s`` seconds for every known pool, after listing all pools and
   managed children afresh (what a lost watch event hid shows up), which also
   picks up readiness changes;
-- a Deployment, Service or ConfigMap labelled ``app.kubernetes.io/managed-by:
+- a child (of a kind in ``resources.CHILDREN``) labelled ``app.kubernetes.io/managed-by:
   coserve-operator`` changes or disappears: its controlling pool is reconciled,
   so a child deleted or edited by hand is put back within a watch event. A
   watch event that only echoes the operator's own write triggers nothing.
 
-A reconcile reads the pool and its seven children from the watch-fed
+A reconcile reads the pool and its children from the watch-fed
 ``ObjectCache`` (no request), reads the measured profile if
 ``spec.profile.configMapRef`` names one, asks ``reconcile()`` what to do,
 re-reads the pool from the API server if that means creating something, creates
 or merge-patches children, writes the status (only if it changed) and posts the
 decision's Events. A pool in its desired state costs no request at all; a new
-one costs its seven creates, a status patch, its Events and one GET. Nothing is
-deleted: owner references let the garbage collector remove the children with
-the pool, so no finalizer is added and deleting a pool never waits for the
-operator.
+one costs its creates, a status patch, its Events and one GET. The only child
+ever deleted is a PodDisruptionBudget the pool no longer asks for (only the
+object seen: its uid is the delete's precondition); owner references let the
+garbage collector remove the children with the pool, so no finalizer is added
+and deleting a pool never waits for the operator. A PersistentVolumeClaim
+resize the API server refuses (its storage class cannot expand) is a Warning
+event, not a failed reconcile.
 
 Pools with ``spec.autoscaling.enabled`` are also evaluated by the autoscaler
 (``coserve.operator.autoscaler``) every ``evaluationIntervalS``, under the same
@@ -68,7 +71,15 @@ from coserve.operator.cache import ObjectCache
 from coserve.operator.events import EventRecorder
 from coserve.operator.kube import KubeClient, KubeError, describe, fetch_credential
 from coserve.operator.leader import LeaderElector, LeaseSettings
-from coserve.operator.metrics import CHILD_CHANGES, POOLS, RECONCILE_SECONDS, RECONCILES
+from coserve.operator.metrics import (
+    CHILD_CHANGES,
+    POOLS,
+    RECONCILE_SECONDS,
+    RECONCILES,
+    forget_pool,
+    keep_pools,
+    observe_pool,
+)
 from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
 from coserve.operator.resources import CHILDREN, MANAGED_BY, MANAGED_BY_LABEL, TOKEN_KEY, child_keys
 
@@ -137,6 +148,7 @@ class PoolReconciler:
             flight.result, flight.error = result, None
             if result is None:
                 self._flights.pop((namespace, name), None)
+                forget_pool(namespace, name)  # gone or being deleted: its series go with it
             else:
                 RECONCILES.labels("ok" if result.plan_valid else "invalid").inc()
             return result
@@ -184,12 +196,14 @@ class PoolReconciler:
                 fresh = True
                 if await self._read_pool(namespace, name) != body:
                     continue  # the pool changed (or is gone): decide on what the API server holds
-            if not await self._apply(namespace, name, result):
+            current, refusals = await self._apply(namespace, name, result)
+            if not current:
                 continue
             if body.get("status") != result.status:
                 await self._write_status(namespace, name, result.status)
-            for event in result.events:
+            for event in (*result.events, *refusals):
                 await self._post_event(namespace, body, event)
+            observe_pool(namespace, name, body, result.status, observed)  # plan vs ready replicas, spec workload
             return result
         raise KubeError(409, "Conflict", f"{namespace}/{name}: the children kept changing during {attempts} reconciles")
 
@@ -202,16 +216,33 @@ class PoolReconciler:
             self.cache.put(KIND, body)
         return body
 
-    async def _apply(self, namespace: str, name: str, result: Reconciliation) -> bool:
-        """Create or patch the children; ``False`` when the cache was behind (it is refreshed: decide again)."""
+    async def _apply(self, namespace: str, name: str, result: Reconciliation) -> tuple[bool, list[PoolEvent]]:
+        """Create, patch or delete the children.
+
+        ``False`` when the cache was behind (it is refreshed: decide again); with Warning events for the
+        changes the API server refused by policy (a PersistentVolumeClaim it cannot expand).
+        """
         current = True
+        refusals: list[PoolEvent] = []
         for action in result.actions:
             try:
                 if action.verb == "create":
                     written = await self.kube.create(action.kind, namespace, _with_generated(action.body))
+                elif action.verb == "delete":
+                    uid = (action.body.get("metadata") or {}).get("uid")
+                    await self._delete(namespace, action.kind, action.name, uid if isinstance(uid, str) else None)
+                    CHILD_CHANGES.labels(action.verb, action.kind).inc()
+                    logger.info("%s/%s: delete %s %s (%s)", namespace, name, action.kind, action.name, action.reason)
+                    continue
                 else:
                     written = await self.kube.merge_patch(action.kind, namespace, action.name, action.body)
             except KubeError as error:
+                if action.kind == "PersistentVolumeClaim" and action.verb == "patch" and error.status in (403, 422):
+                    # NOTE: e.g. a storage class without allowVolumeExpansion; retrying at once would fail again
+                    message = f"{action.kind} {action.name} was not patched ({action.reason}): {error}"
+                    logger.warning("%s/%s: %s", namespace, name, message)
+                    refusals.append(PoolEvent("Warning", "ChildRefused", message))
+                    continue
                 if error.status not in (404, 409):
                     raise
                 # 409 on create: it exists after all; 404 on patch: it is gone. Learn which, decide again.
@@ -225,7 +256,16 @@ class PoolReconciler:
             self.cache.put(action.kind, written)
             CHILD_CHANGES.labels(action.verb, action.kind).inc()
             logger.info("%s/%s: %s %s %s (%s)", namespace, name, action.verb, action.kind, action.name, action.reason)
-        return current
+        return current, refusals
+
+    async def _delete(self, namespace: str, kind: str, name: str, uid: str | None) -> None:
+        """Delete the child seen with ``uid``; already gone is done (a 409: another object took the name)."""
+        try:
+            await self.kube.delete(kind, namespace, name, uid=uid)
+        except KubeError as error:
+            if error.status != 404:
+                raise
+        self.cache.forget(kind, namespace, name)
 
     async def _post_event(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
         await self.events.post(namespace, pool, event)
@@ -342,6 +382,7 @@ def build_registry(
             if ghosts:
                 logger.info("resync: %d %s(s) gone without a watch event", ghosts, kind)
         POOLS.set(len(cache.names(KIND)))
+        keep_pools(cache.names(KIND))  # pools deleted without a watch event lose their series
 
     async def resync_forever() -> None:
         # NOTE: a plain task rather than a kopf timer: kopf puts a finalizer on every object with a timer,
@@ -444,6 +485,7 @@ def build_registry(
         # write changes nothing the reconcile reads but the status it wrote, so it decides nothing new.
         changed = cache.observe(KIND, type, copy.deepcopy(dict(body)))
         POOLS.set(len(cache.names(KIND)))
+        keep_pools(cache.names(KIND))  # a deleted pool loses its series
         if changed and type != "DELETED" and not (body.get("metadata") or {}).get("deletionTimestamp"):
             await run(namespace, name)
 
@@ -457,6 +499,8 @@ def build_registry(
         "ServiceAccount": ("", "serviceaccounts"),
         "Role": ("rbac.authorization.k8s.io", "roles"),
         "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"),
+        "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
+        "PersistentVolumeClaim": ("", "persistentvolumeclaims"),
     }
     for kind in child_kinds:
         group, plural = watched[kind]

@@ -50,8 +50,17 @@ from lightkube.core.exceptions import ApiError, ConfigError
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import ConfigMap, Event, Secret, Service, ServiceAccount
+from lightkube.resources.core_v1 import (
+    ConfigMap,
+    Event,
+    PersistentVolumeClaim,
+    Pod,
+    Secret,
+    Service,
+    ServiceAccount,
+)
 from lightkube.resources.networking_v1 import NetworkPolicy
+from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.resources.rbac_authorization_v1 import Role, RoleBinding
 from lightkube.types import PatchType
 
@@ -84,6 +93,9 @@ RESOURCES: dict[str, Any] = {
     "ServiceAccount": ServiceAccount,
     "Role": Role,
     "RoleBinding": RoleBinding,
+    "PodDisruptionBudget": PodDisruptionBudget,
+    "PersistentVolumeClaim": PersistentVolumeClaim,
+    "Pod": Pod,  # read and annotated only (decoders' deletion cost), never created
     "CoServePool": CoServePoolResource,
 }
 
@@ -280,7 +292,7 @@ async def _run_exec(config: SingleConfig) -> dict[str, Any]:
 
 
 class KubeClient:
-    """Get, list, create and merge-patch plain dicts; ``async with KubeClient(config) as kube``.
+    """Get, list, create, merge-patch and delete plain dicts; ``async with KubeClient(config) as kube``.
 
     One per operator. Bodies go out and come back as the API server's JSON, so the
     reconciler compares what the server stores, unmodified.
@@ -352,6 +364,26 @@ class KubeClient:
         res = self.resource(kind, subresource)
         call = self._client.patch(res, name, dict(body), namespace=namespace, patch_type=PatchType.MERGE)
         return _plain(await self._call(call))
+
+    async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> None:
+        """Delete the object; with ``uid``, only that very object (HTTP 409 if the name now holds another).
+
+        NOTE: the uid precondition needs a DeleteOptions body, which lightkube's ``delete`` cannot send; the
+        request is built by lightkube's generic client (auth, retries on 401) with that body added.
+        """
+        res = self.resource(kind)
+        if uid is None:
+            await self._call(self._client.delete(res, name, namespace=namespace))
+            return
+        generic: Any = self._client._client
+        request = generic.prepare_request("delete", res=res, name=name, namespace=namespace)
+        request.data = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+
+        async def send() -> None:
+            response = await generic.send(generic.build_adapter_request(request))
+            generic.handle_response("delete", response, request)
+
+        await self._call(send())
 
     @staticmethod
     async def _call(call: Any) -> Any:

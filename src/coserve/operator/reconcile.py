@@ -26,8 +26,20 @@ Rules:
   with a ReplicasReset Warning event saying why and what to change instead.
 - A child that exists but is not controlled by this pool (no owner reference
   with the pool's uid) is never touched: Degraded=True with reason ChildConflict.
-- Warnings about a problem (InvalidSpec, ChildConflict) are posted when the
-  problem appears or changes, not on every resync: the condition carries it.
+- Some children are optional: ``CHILDREN`` names every child a pool may have,
+  ``build_children`` renders those its spec asks for. One it does not render is
+  neither created nor waited for. A PodDisruptionBudget it no longer renders (the
+  user turned it off) is deleted if this pool controls it; any other (a
+  PersistentVolumeClaim holding a model cache above all) is left as it is, and
+  goes with the pool through its owner reference.
+- A PersistentVolumeClaim is changed only as the API server allows: its metadata,
+  and a larger ``spec.resources.requests.storage``. Any other difference (another
+  storage class or access mode, a smaller size) is not patched: Degraded=True with
+  reason ChildImmutable names it. Fields the server or the provisioner fill in
+  (``volumeName``, a defaulted ``storageClassName`` or ``volumeMode``) are not
+  drift, as for every child.
+- Warnings about a problem (InvalidSpec, ChildConflict, ChildImmutable) are posted
+  when the problem appears or changes, not on every resync: the condition carries it.
 """
 
 from __future__ import annotations
@@ -54,7 +66,7 @@ from coserve.api.status import (
     RoleReplicas,
     StatusModel,
 )
-from coserve.operator.normalize import is_blank, same_quantity
+from coserve.operator.normalize import is_blank, same_quantity, stored_quantity
 from coserve.operator.resources import Manifest, build_children, child_name
 from coserve.provisioning import plan_for
 
@@ -64,12 +76,21 @@ ChildKey = tuple[str, str]  # (kind, name)
 
 _ROLE_DEPLOYMENTS = (("prefillers", "prefiller"), ("decoders", "decoder"), ("routers", "router"))
 
+# Kinds deleted when the pool no longer renders them (and controls them); others are left to the garbage collector.
+_DELETED_WHEN_NOT_RENDERED = frozenset({"PodDisruptionBudget"})
+# kind -> spec fields of which an object holds at most one: setting one removes the other
+_ONE_OF: dict[str, tuple[tuple[str, str], ...]] = {"PodDisruptionBudget": (("minAvailable", "maxUnavailable"),)}
+_CLAIM = "PersistentVolumeClaim"
+_CLAIM_STORAGE = "spec.resources.requests.storage"
+
 
 @dataclass(frozen=True)
 class ChildAction:
-    """Create ``body``, or merge-patch the child with ``body`` (the desired object)."""
+    """Create ``body``; merge-patch the child with ``body`` (the desired object, or for a
+    PersistentVolumeClaim the part that may change); or delete the child, ``body`` holding its
+    ``metadata.name`` and ``metadata.uid`` (the object observed, and only that one)."""
 
-    verb: Literal["create", "patch"]
+    verb: Literal["create", "patch", "delete"]
     kind: str
     name: str
     body: Manifest
@@ -122,6 +143,7 @@ def reconcile(
     uid = pool.metadata.uid
     actions: list[ChildAction] = []
     conflicts: list[str] = []
+    immutable: list[str] = []
     for child in desired:
         kind, name = child["kind"], child["metadata"]["name"]
         current = observed.get((kind, name))
@@ -132,18 +154,27 @@ def reconcile(
             conflicts.append(f"{kind} {name} exists and is not controlled by this pool")
             continue
         wanted = _keep_autoscaled_replicas(child, current) if autoscaled else child
+        if kind == _CLAIM:
+            action, kept = _claim_patch(wanted, current)
+            actions += [action] if action is not None else []
+            immutable += [kept] if kept is not None else []
+            continue
+        wanted = _without_replaced_alternatives(wanted, current)
         changed = drift(wanted, current)
         if changed:
             actions.append(ChildAction("patch", kind, name, wanted, "drifted: " + ", ".join(changed[:5])))
+    actions += _deletions(desired, observed, uid)
 
-    status = _status(pool, plan, previous, generation, observed, actions, conflicts, now)
-    # One Event per verb, not per child: a new pool gets "Created" once, naming all seven.
+    status = _status(pool, plan, previous, generation, observed, actions, conflicts, immutable, now)
+    # One Event per verb, not per child: a new pool gets "Created" once, naming them all.
     events = [
         PoolEvent("Normal", reason, "; ".join(_action_message(a) for a in actions if _verb_reason(a) == reason))
         for reason in dict.fromkeys(_verb_reason(a) for a in actions)
     ]
-    if conflicts and not _reported(previous, ConditionType.DEGRADED, "ChildConflict", "; ".join(conflicts)):
+    if conflicts and not _said(previous, ConditionType.DEGRADED, "; ".join(conflicts)):
         events += [PoolEvent("Warning", "ChildConflict", message) for message in conflicts]
+    if immutable and not _said(previous, ConditionType.DEGRADED, "; ".join(immutable)):
+        events += [PoolEvent("Warning", "ChildImmutable", message) for message in immutable]
     if not autoscaled:
         # A manual `kubectl scale` is undone, but said so: the plan owns replicas while autoscaling is off.
         events += [
@@ -247,6 +278,81 @@ def _controlled_by(child: Mapping[str, Any], uid: str) -> bool:
     return any(isinstance(ref, Mapping) and ref.get("uid") == uid and ref.get("controller") for ref in references)
 
 
+def _without_replaced_alternatives(child: Manifest, current: Mapping[str, Any]) -> Manifest:
+    """``child`` with ``None`` for a field the object holds whose alternative ``child`` now sets (``_ONE_OF``).
+
+    A merge patch leaves fields it does not name, and the API server refuses a PodDisruptionBudget with both
+    ``minAvailable`` and ``maxUnavailable``: the one no longer wanted is removed (``None``), which ``drift`` sees.
+    """
+    spec, have = child.get("spec"), current.get("spec")
+    if not isinstance(spec, Mapping) or not isinstance(have, Mapping):
+        return child
+    removed = {
+        field: None
+        for pair in _ONE_OF.get(child["kind"], ())
+        for field, other in (pair, pair[::-1])
+        if spec.get(other) is not None and spec.get(field) is None and have.get(field) is not None
+    }
+    return {**child, "spec": {**spec, **removed}} if removed else child
+
+
+def _claim_patch(child: Manifest, current: Mapping[str, Any]) -> tuple[ChildAction | None, str | None]:
+    """A PersistentVolumeClaim's patch (metadata, a larger storage request) and what cannot be changed, if any.
+
+    The API server refuses any other change to a claim's spec, so the rest of the drift is reported, not patched.
+    """
+    kind, name = child["kind"], child["metadata"]["name"]
+    changed = [path for path in drift(child, current) if path not in _TYPE_KEYS]
+    patch: dict[str, Any] = {}
+    applied, kept = [], []
+    for path in changed:
+        if path == "metadata" or path.startswith("metadata."):
+            patch["metadata"] = child["metadata"]
+            applied.append(path)
+        elif path == _CLAIM_STORAGE and _grows(child, current):
+            patch["spec"] = {"resources": {"requests": {"storage": _claim_storage(child)}}}
+            applied.append(path)
+        elif path == _CLAIM_STORAGE:
+            kept.append(f"{path} (cannot shrink from {_claim_storage(current)} to {_claim_storage(child)})")
+        else:
+            kept.append(path)
+    action = ChildAction("patch", kind, name, patch, "drifted: " + ", ".join(applied[:5])) if applied else None
+    problem = (
+        f"{kind} {name} keeps {', '.join(kept)}: a claim's spec cannot change once created, except for a larger "
+        "storage request"
+    ) if kept else None  # fmt: skip
+    return action, problem
+
+
+def _claim_storage(claim: Mapping[str, Any]) -> object:
+    return (((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}).get("storage")
+
+
+def _grows(child: Manifest, current: Mapping[str, Any]) -> bool:
+    want, have = stored_quantity(_claim_storage(child)), stored_quantity(_claim_storage(current))
+    return want is not None and have is not None and want > have
+
+
+def _deletions(
+    desired: Sequence[Manifest], observed: Mapping[ChildKey, Mapping[str, Any] | None], uid: str | None
+) -> list[ChildAction]:
+    """Children the pool no longer renders and that go when it stops asking for them (``_DELETED_WHEN_NOT_RENDERED``).
+
+    Only what this pool controls, and not already being deleted.
+    """
+    rendered = {(child["kind"], child["metadata"]["name"]) for child in desired}
+    out = []
+    for (kind, name), current in observed.items():
+        if current is None or kind not in _DELETED_WHEN_NOT_RENDERED or (kind, name) in rendered or uid is None:
+            continue
+        metadata = current.get("metadata") or {}
+        if not _controlled_by(current, uid) or metadata.get("deletionTimestamp"):
+            continue
+        body = {"metadata": {"name": name, "uid": metadata.get("uid")}}
+        out.append(ChildAction("delete", kind, name, body, "the pool's spec no longer asks for it"))
+    return out
+
+
 def _keep_autoscaled_replicas(child: Manifest, current: Mapping[str, Any]) -> Manifest:
     if child["kind"] != "Deployment" or child["metadata"]["labels"].get("coserve.dev/role") == "router":
         return child
@@ -288,6 +394,7 @@ def _status(
     observed: Mapping[ChildKey, Mapping[str, Any] | None],
     actions: Sequence[ChildAction],
     conflicts: Sequence[str],
+    immutable: Sequence[str],
     now: datetime,
 ) -> dict[str, Any]:
     name = pool.metadata.name
@@ -314,8 +421,9 @@ def _status(
     else:
         progressing = (ConditionStatus.FALSE, "Converged", "every child matches the plan")
     conditions = set_condition(conditions, ConditionType.PROGRESSING, *progressing, now, generation)
-    if conflicts:
-        degraded = (ConditionStatus.TRUE, "ChildConflict", "; ".join(conflicts))
+    if conflicts or immutable:
+        reason = "ChildConflict" if conflicts else "ChildImmutable"
+        degraded = (ConditionStatus.TRUE, reason, "; ".join([*conflicts, *immutable]))
     elif failing:
         degraded = (ConditionStatus.TRUE, "DeploymentFailing", "; ".join(failing))
     else:
@@ -379,6 +487,12 @@ def _reported(previous: StatusModel, kind: ConditionType, reason: str, message: 
     return condition is not None and condition.reason == reason and condition.message == message
 
 
+def _said(previous: StatusModel, kind: ConditionType, message: str) -> bool:
+    """The last status already reported this problem: the condition is True and its message says it."""
+    condition = find_condition(previous.conditions, kind)
+    return condition is not None and condition.status == ConditionStatus.TRUE and message in condition.message
+
+
 def _plan_message(plan: Plan) -> str:
     return (
         f"{plan.prefillers} prefillers, {plan.decoders} decoders; binding constraint "
@@ -386,10 +500,13 @@ def _plan_message(plan: Plan) -> str:
     )
 
 
+_PAST = {"create": "created", "patch": "patched", "delete": "deleted"}
+
+
 def _verb_reason(action: ChildAction) -> str:
-    return "Created" if action.verb == "create" else "Patched"
+    return {"create": "Created", "patch": "Patched", "delete": "Deleted"}[action.verb]
 
 
 def _action_message(action: ChildAction) -> str:
-    verb = "created" if action.verb == "create" else f"patched ({action.reason})"
+    verb = "created" if action.verb == "create" else f"{_PAST[action.verb]} ({action.reason})"
     return f"{action.kind} {action.name} {verb}"

@@ -149,10 +149,16 @@ class _Metrics:
         self.conversations = Counter("coserve_router_conversations", "New conversations (turn 1 arrivals).", registry=r)
         self.turns = Counter("coserve_router_turns", "Turns of pinned conversations (turn 2 and later).", registry=r)
         self.prompt_tokens = Counter(
-            "coserve_router_prompt_tokens", "Prompt tokens of answered requests (engines' usage).", registry=r
+            "coserve_router_prompt_tokens",
+            "Prompt tokens of answered requests (engines' usage), by class.",
+            ["cls"],
+            registry=r,
         )
         self.output_tokens = Counter(
-            "coserve_router_output_tokens", "Output tokens of answered requests (engines' usage).", registry=r
+            "coserve_router_output_tokens",
+            "Output tokens of answered requests (engines' usage), by class: the offline class's is the harvest.",
+            ["cls"],
+            registry=r,
         )
         self.pinned = Gauge(
             "coserve_router_pinned_conversations", "Pinned conversations by decoder.", ["decoder"], registry=r
@@ -617,7 +623,7 @@ class Router:
             finally:
                 response.release()
             self._observe(cls, slo_s, arrived, first_arrival)
-            self._count_usage(content)
+            self._count_usage(content, cls)
             return Response(content, response.status, headers=out_headers)
         return StreamingResponse(
             self._relay(response, cls, slo_s, arrived, first_arrival, wants_usage), response.status, headers=out_headers
@@ -646,7 +652,7 @@ class Router:
                 complete, _, pending = pending.rpartition(b"\n\n")
                 if not complete:
                     continue
-                kept = [e for e in complete.split(b"\n\n") if not self._usage_event(e) or pass_usage]
+                kept = [e for e in complete.split(b"\n\n") if not self._usage_event(e, cls) or pass_usage]
                 if kept:
                     yield b"\n\n".join(kept) + b"\n\n"
             if pending:
@@ -658,7 +664,7 @@ class Router:
         finally:
             response.release()
 
-    def _usage_event(self, event: bytes) -> bool:
+    def _usage_event(self, event: bytes, cls: str) -> bool:
         """Whether ``event`` is vLLM's closing usage event (no choices); counts its tokens if so."""
         if b'"usage"' not in event or not event.startswith(b"data: {"):
             return False
@@ -669,8 +675,8 @@ class Router:
         usage = data.get("usage") if isinstance(data, dict) else None
         if not isinstance(usage, dict) or data.get("choices"):
             return False
-        self.metrics.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
-        self.metrics.output_tokens.inc(usage.get("completion_tokens") or 0)
+        self.metrics.prompt_tokens.labels(cls).inc(usage.get("prompt_tokens") or 0)
+        self.metrics.output_tokens.labels(cls).inc(usage.get("completion_tokens") or 0)
         return True
 
     def _observe(self, cls: str, slo_s: float, arrived: float, first_arrival: float) -> None:
@@ -679,13 +685,13 @@ class Router:
         self.metrics.slo.labels(cls, str(now - arrived <= slo_s).lower()).inc()
         self.metrics.ttfet.observe(now - first_arrival)
 
-    def _count_usage(self, content: bytes) -> None:
+    def _count_usage(self, content: bytes, cls: str) -> None:
         try:
             usage = json.loads(content).get("usage") or {}
         except (ValueError, AttributeError):
             return
-        self.metrics.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
-        self.metrics.output_tokens.inc(usage.get("completion_tokens") or 0)
+        self.metrics.prompt_tokens.labels(cls).inc(usage.get("prompt_tokens") or 0)
+        self.metrics.output_tokens.labels(cls).inc(usage.get("completion_tokens") or 0)
 
 
 class _Body(Protocol):
