@@ -113,33 +113,35 @@ def test_the_pod_monitor_scrapes_every_pools_router_and_engines_as_pool_and_role
     scoped = [d for d in render("podMonitor.enabled=true", "watchNamespaces={llm}") if d["kind"] == "PodMonitor"]
     assert scoped[0]["spec"]["namespaceSelector"] == {"matchNames": ["llm"]}
 
-    pool = load_pool(read_file(str(CHART.parents[1] / "examples" / "pool.yaml")))
-    pods = {
-        child["metadata"]["name"]: child["spec"]["template"]
-        for child in build_children(pool, plan_for(pool.spec))
-        if child["kind"] == "Deployment"
-    }
+    for example in ("pool.yaml", "pool-production.yaml"):  # the production one adds its own pod labels
+        pool = load_pool(read_file(str(CHART.parents[1] / "examples" / example)))
+        pods = {
+            child["metadata"]["name"]: child["spec"]["template"]
+            for child in build_children(pool, plan_for(pool.spec))
+            if child["kind"] == "Deployment"
+        }
+        assert len(pods) >= 3
+        for name, template in pods.items():
+            assert_scraped(spec, name, template, pool.metadata.name)
+
+
+def assert_scraped(spec: dict[str, Any], name: str, template: dict[str, Any], pool: str) -> None:
+    """The PodMonitor ``spec`` selects ``template``'s pods, on a port they serve, labelled pool and role."""
     selector = spec["selector"]
-
-    def selected(labels: dict[str, str]) -> bool:
-        exprs = selector["matchExpressions"]
-        return all(labels.get(k) == v for k, v in selector["matchLabels"].items()) and all(
-            labels.get(e["key"]) in e["values"] for e in exprs
-        )
-
+    labels = template["metadata"]["labels"]
+    selected = all(labels.get(k) == v for k, v in selector["matchLabels"].items()) and all(
+        labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"]
+    )
+    assert selected, f"{name}'s pods are not scraped: {labels}"
     endpoint = spec["podMetricsEndpoints"][0]
-    for name, template in pods.items():
-        labels = template["metadata"]["labels"]
-        assert selected(labels), f"{name}'s pods are not scraped: {labels}"
-        ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
-        assert endpoint["port"] in ports, name
-        relabelled = {
-            r["targetLabel"]: labels.get(
-                next(k for k in labels if "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", k)
-                     == r["sourceLabels"][0])
-            )
-            for r in endpoint["relabelings"]
-        }  # fmt: skip
-        assert relabelled["pool"] == pool.metadata.name
-        assert relabelled["role"] in {"router", "prefiller", "decoder"}
-    assert len(pods) >= 3
+    ports = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+    assert endpoint["port"] in ports, name
+    relabelled = {
+        r["targetLabel"]: labels.get(
+            next(k for k in labels if "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", k)
+                 == r["sourceLabels"][0])
+        )
+        for r in endpoint["relabelings"]
+    }  # fmt: skip
+    assert relabelled["pool"] == pool
+    assert relabelled["role"] in {"router", "prefiller", "decoder"}
