@@ -19,6 +19,7 @@ import yaml
 from api.test_crd import apply_crd_defaults, cel_failures
 from charts.test_chart import CHART, KUBERNETES_VERSION, render  # tests/ is on the path (pyproject: pythonpath)
 from coserve.cli.manifest import load_pool, read_file
+from coserve.operator.handlers import CHILD_RESOURCES
 from coserve.operator.resources import build_children
 from coserve.provisioning import plan_for
 
@@ -59,21 +60,6 @@ def test_the_example_renders_every_production_piece_and_all_are_valid_kubernetes
         kubernetes_validate.validate(child, KUBERNETES_VERSION, strict=True)
 
 
-# kind -> (API group, resource) of what the operator renders
-RESOURCES = {
-    "ConfigMap": ("", "configmaps"),
-    "PersistentVolumeClaim": ("", "persistentvolumeclaims"),
-    "Deployment": ("apps", "deployments"),
-    "Service": ("", "services"),
-    "Secret": ("", "secrets"),
-    "NetworkPolicy": ("networking.k8s.io", "networkpolicies"),
-    "ServiceAccount": ("", "serviceaccounts"),
-    "Role": ("rbac.authorization.k8s.io", "roles"),
-    "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"),
-    "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
-}
-
-
 @pytest.mark.parametrize(
     ("sets", "kind"),
     [((), "ClusterRole"), (("watchNamespaces={llm}",), "Role")],
@@ -94,6 +80,6 @@ def test_the_charts_rbac_lets_the_operator_create_every_object_of_the_example(se
         (child["kind"], verb)
         for child in children()
         for verb in ("get", "create", "patch")
-        if (*RESOURCES[child["kind"]], verb) not in granted
+        if (*CHILD_RESOURCES[child["kind"]], verb) not in granted
     ]
     assert missing == []

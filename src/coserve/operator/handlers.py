@@ -83,10 +83,24 @@ from coserve.operator.metrics import (
 from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
 from coserve.operator.resources import CHILDREN, MANAGED_BY, MANAGED_BY_LABEL, TOKEN_KEY, child_keys
 
-__all__ = ["DEFAULT_RESYNC_S", "PoolReconciler", "build_registry", "configure"]
+__all__ = ["CHILD_RESOURCES", "DEFAULT_RESYNC_S", "PoolReconciler", "build_registry", "configure"]
 
 DEFAULT_RESYNC_S = 30.0
 logger = logging.getLogger("coserve.operator")
+
+# kind -> (API group, plural) of every child kind the operator creates and watches (its RBAC must grant each)
+CHILD_RESOURCES: dict[str, tuple[str, str]] = {
+    "Deployment": ("apps", "deployments"),
+    "Service": ("", "services"),
+    "ConfigMap": ("", "configmaps"),
+    "Secret": ("", "secrets"),
+    "NetworkPolicy": ("networking.k8s.io", "networkpolicies"),
+    "ServiceAccount": ("", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"),
+    "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
+    "PersistentVolumeClaim": ("", "persistentvolumeclaims"),
+}
 
 
 @dataclass
@@ -490,20 +504,8 @@ def build_registry(
             await run(namespace, name)
 
     labels = {MANAGED_BY_LABEL: MANAGED_BY}
-    watched = {
-        "Deployment": ("apps", "deployments"),
-        "Service": ("", "services"),
-        "ConfigMap": ("", "configmaps"),
-        "Secret": ("", "secrets"),
-        "NetworkPolicy": ("networking.k8s.io", "networkpolicies"),
-        "ServiceAccount": ("", "serviceaccounts"),
-        "Role": ("rbac.authorization.k8s.io", "roles"),
-        "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"),
-        "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
-        "PersistentVolumeClaim": ("", "persistentvolumeclaims"),
-    }
     for kind in child_kinds:
-        group, plural = watched[kind]
+        group, plural = CHILD_RESOURCES[kind]
 
         def handler(kind: str) -> Callable[..., Any]:
             async def child_changed(type: str | None, body: Mapping[str, Any], namespace: str | None, **_: Any) -> None:
