@@ -97,15 +97,19 @@ def rules_of(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [rule for role in by_kind(objects, kind) for rule in role["rules"]]
 
 
-def test_rbac_grants_only_what_the_operator_uses() -> None:
-    rules = rules_of(render(), "ClusterRole")
-    granted = {
+def granted_by(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) of everything ``rules`` grant."""
+    return {
         (group, resource, verb)
         for r in rules
         for group in r["apiGroups"]
         for resource in r["resources"]
         for verb in r["verbs"]
     }
+
+
+def test_rbac_grants_only_what_the_operator_uses() -> None:
+    granted = granted_by(rules_of(render(), "ClusterRole"))
     assert not any("*" in item for item in granted)
     assert not any(verb in {"deletecollection", "update", "escalate", "bind", "impersonate"} for _, _, verb in granted)
     # the one thing deleted: a disruption budget the user turned off

@@ -17,7 +17,12 @@ import pytest
 import yaml
 
 from api.test_crd import apply_crd_defaults, cel_failures
-from charts.test_chart import CHART, KUBERNETES_VERSION, render  # tests/ is on the path (pyproject: pythonpath)
+from charts.test_chart import (
+    CHART,
+    KUBERNETES_VERSION,
+    granted_by,
+    render,
+)  # tests/ is on the path (pyproject: pythonpath)
 from coserve.cli.manifest import load_pool, read_file
 from coserve.operator.handlers import CHILD_RESOURCES
 from coserve.operator.resources import build_children
@@ -68,14 +73,7 @@ def test_the_example_renders_every_production_piece_and_all_are_valid_kubernetes
 def test_the_charts_rbac_lets_the_operator_create_every_object_of_the_example(sets: tuple[str, ...], kind: str) -> None:
     roles = [o for o in render(*sets) if o["kind"] == kind and not o["metadata"]["name"].endswith("leader-election")]
     assert roles
-    granted = {
-        (group, resource, verb)
-        for role in roles
-        for rule in role["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
+    granted = granted_by([rule for role in roles for rule in role["rules"]])
     missing = [
         (child["kind"], verb)
         for child in children()
