@@ -31,6 +31,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -273,6 +274,16 @@ def _check_unique(items: Sequence[ApiModel] | None, keys: Sequence[str], what: s
 
 
 # --- pod template options: environment, volumes, identity, labels, placement -------------------
+
+# list field -> (the keys no two items may share, what an error calls them): the pydantic twins of the CRD's
+# x-kubernetes-list-map-keys on PodOptions' lists
+_UNIQUE_BY: dict[str, tuple[tuple[str, ...], str]] = {
+    "env": (("name",), "env names"),
+    "volumes": (("name",), "volume names"),
+    "volume_mounts": (("mount_path",), "mount paths"),
+    "image_pull_secrets": (("name",), "image pull secrets"),
+    "topology_spread_constraints": (("topology_key", "when_unsatisfiable"), "topologyKey and whenUnsatisfiable pairs"),
+}
 
 
 class SecretKeyRef(ApiModel):
@@ -722,37 +733,12 @@ class PodOptions(ApiModel):
         "[] turns spreading off.",
     )
 
-    @field_validator("env")
+    @field_validator("env", "volumes", "volume_mounts", "image_pull_secrets", "topology_spread_constraints")
     @classmethod
-    def _env_unique(cls, env: list[EnvVar] | None) -> list[EnvVar] | None:
-        _check_unique(env, ("name",), "env names")
-        return env
-
-    @field_validator("volumes")
-    @classmethod
-    def _volumes_unique(cls, volumes: list[Volume] | None) -> list[Volume] | None:
-        _check_unique(volumes, ("name",), "volume names")
-        return volumes
-
-    @field_validator("volume_mounts")
-    @classmethod
-    def _mounts_unique(cls, mounts: list[VolumeMount] | None) -> list[VolumeMount] | None:
-        _check_unique(mounts, ("mount_path",), "mount paths")
-        return mounts
-
-    @field_validator("image_pull_secrets")
-    @classmethod
-    def _pull_secrets_unique(cls, refs: list[LocalObjectReference] | None) -> list[LocalObjectReference] | None:
-        _check_unique(refs, ("name",), "image pull secrets")
-        return refs
-
-    @field_validator("topology_spread_constraints")
-    @classmethod
-    def _spread_unique(
-        cls, constraints: list[TopologySpreadConstraint] | None
-    ) -> list[TopologySpreadConstraint] | None:
-        _check_unique(constraints, ("topology_key", "when_unsatisfiable"), "topologyKey and whenUnsatisfiable pairs")
-        return constraints
+    def _items_unique(cls, items: Sequence[ApiModel] | None, info: ValidationInfo) -> Sequence[ApiModel] | None:
+        keys, what = _UNIQUE_BY[str(info.field_name)]
+        _check_unique(items, keys, what)
+        return items
 
     @field_validator("pod_labels")
     @classmethod
