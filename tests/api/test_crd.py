@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import celpy  # a dev dependency: these checks never skip
 import jsonschema
+import lark
 import pytest
 import yaml
+from celpy.evaluation import CELEvalError
 from pydantic import BaseModel
 
 from conftest import CRD_FILE, EXAMPLES
@@ -205,8 +209,8 @@ def test_resource_maps_validate_their_keys_with_cel() -> None:
 # lists) the CRD says with CEL rules, which only the API server runs; the pydantic models refuse the same
 # input, so `coserve render` and the operator name the same field. Each case below is checked three ways:
 # pydantic refuses it at the field path, the CRD holds a rule for it at that place, and that rule,
-# evaluated on the defaulted document by cel-python (a CEL interpreter, not the API server's cel-go: the
-# server's type-check and cost estimate are not exercised here), refuses it too.
+# evaluated on the defaulted document by cel-python (a CEL interpreter, made to evaluate `has()` as the API
+# server's cel-go does; the server's type-check is not exercised here), refuses it too.
 
 
 def minimal_document(**spec: Any) -> dict[str, Any]:
@@ -361,20 +365,102 @@ def schema_at(path: str) -> dict[str, Any]:
     return node
 
 
-_CEL_PROGRAMS: dict[str, Any] = {}
+# How the API server's CEL (cel-go) differs from cel-python where it matters to these rules: `has(a.b.c)`
+# tests only its last field. `a.b` is evaluated like any selection, so where it is absent the rule fails
+# with "no such key: b", and a failing rule makes the server refuse the object (or, for a `default`, the
+# whole CRD). cel-python answers false instead. `&&` and `||` are the same in both: an error on one side
+# is ignored when the other side decides the result (`has(self.a.b) || true` is true).
+
+_SELECTION_WRAPPERS = {"exprlist", "expr", "conditionalor", "conditionaland", "relation", "addition",
+                       "multiplication", "unary", "member", "primary", "paren_expr"}  # fmt: skip
+
+
+def unwrap(tree: lark.Tree) -> lark.Tree:
+    """The expression a parse-tree node stands for, below the grammar's one-child levels."""
+    while tree.data in _SELECTION_WRAPPERS and len(tree.children) == 1 and isinstance(tree.children[0], lark.Tree):
+        tree = tree.children[0]
+    return tree
+
+
+def selection(tree: lark.Tree) -> str | None:
+    """``self.a.b`` for that field selection, None for any other expression."""
+    tree = unwrap(tree)
+    if tree.data == "ident":
+        return str(tree.children[0])
+    if tree.data == "member_dot":
+        base = selection(tree.children[0])
+        return None if base is None else f"{base}.{tree.children[1]}"
+    return None
+
+
+class CelGoEvaluator(celpy.evaluation.Evaluator):
+    """cel-python's evaluator, with ``has()`` as cel-go evaluates it (in macro bodies too)."""
+
+    def sub_evaluator(self, ast: lark.Tree) -> celpy.evaluation.Evaluator:
+        return CelGoEvaluator(ast, activation=self.activation)
+
+    def macro_has_eval(self, exprlist: lark.Tree) -> Any:  # a bool, or the error cel-go evaluates to
+        argument = unwrap(exprlist)
+        if argument.data != "member_dot":
+            return CELEvalError("invalid argument to has() macro", SyntaxError, None, tree=exprlist)
+        operand, field = argument.children
+        value = self.visit(operand)  # an absent object is "no such key", not false
+        if isinstance(value, CELEvalError):
+            return value
+        if not isinstance(value, celpy.celtypes.MapType):
+            return CELEvalError(f"has() of a field of {type(value).__name__}", TypeError, None, tree=exprlist)
+        return celpy.celtypes.BoolType(str(field) in value)
+
+    def conditionalor(self, tree: lark.Tree) -> Any:
+        return self._logical(tree, "_||_") if len(tree.children) == 2 else super().conditionalor(tree)
+
+    def conditionaland(self, tree: lark.Tree) -> Any:
+        return self._logical(tree, "_&&_") if len(tree.children) == 2 else super().conditionaland(tree)
+
+    def _logical(self, tree: lark.Tree, function: str) -> Any:
+        """cel-python's ``||`` and ``&&``, but with an error on both sides, the left one's (as cel-go reports)."""
+        left, right = self.visit_children(tree)
+        if isinstance(left, CELEvalError) and isinstance(right, CELEvalError):
+            return left
+        try:
+            return self.activation.resolve_function(function)(left, right)
+        except TypeError as error:
+            return CELEvalError(f"no matching overload for {function}", TypeError, error.args, tree=tree)
+
+
+class CelGoRunner(celpy.InterpretedRunner):
+    def evaluate(self, context: Any) -> Any:
+        return CelGoEvaluator(self.ast, activation=self.new_activation()).evaluate(context)
+
+
+CEL = celpy.Environment(runner_class=CelGoRunner)  # the one evaluator of every CEL check in this file
+
+
+@functools.cache
+def cel_ast(rule: str) -> lark.Tree:
+    return CEL.compile(rule)
+
+
+@functools.cache
+def cel_program(rule: str) -> celpy.Runner:
+    return CEL.program(cel_ast(rule))
 
 
 def cel_failures(schema: dict[str, Any], value: Any, path: str) -> list[tuple[str, str]]:
-    """(path, message) of every CEL rule that ``value`` breaks, each rule evaluated where the API server would."""
-    import celpy  # a dev dependency: these checks never skip
+    """(path, message) of every CEL rule that ``value`` breaks, each rule evaluated where the API server would.
 
+    A rule that fails to evaluate is a failure too, reported as the server reports it: at the rule's node,
+    "<error> evaluating rule: <message>".
+    """
     failures = []
     for rule in schema.get("x-kubernetes-validations", []):
-        if rule["rule"] not in _CEL_PROGRAMS:
-            environment = celpy.Environment()
-            _CEL_PROGRAMS[rule["rule"]] = environment.program(environment.compile(rule["rule"]))
-        if not _CEL_PROGRAMS[rule["rule"]].evaluate({"self": celpy.json_to_cel(value)}):
-            failures.append((path + rule.get("fieldPath", ""), rule["message"]))
+        try:
+            passed = cel_program(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)})
+        except CELEvalError as error:
+            failures.append((path, f"{error.args[0]} evaluating rule: {rule['message']}"))
+        else:
+            if not passed:
+                failures.append((path + rule.get("fieldPath", ""), rule["message"]))
     if isinstance(value, dict) and "properties" in schema:
         for name, sub in schema["properties"].items():
             if name in value:
@@ -562,3 +648,232 @@ def test_every_list_in_the_spec_is_bounded() -> None:
     for options in ("spec.engine", "spec.router"):
         for field in ("podLabels", "podAnnotations"):
             assert "maxProperties" in schema_at(options)["properties"][field]
+
+
+# --- What the API server checks when the CRD is created -----------------------------------------------
+
+
+def crd_schema(crd: dict[str, Any]) -> dict[str, Any]:
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]  # type: ignore[no-any-return]
+
+
+def default_failures(schema: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the API server finds wrong with the schema's defaults, each as (node, message).
+
+    When a CRD is created or updated, the server validates every ``default`` against its node's schema and
+    evaluates on it the CEL rules of that node and of every node below it that the value reaches; one
+    failure, or one rule that fails to evaluate, and the whole CRD is refused (`kubectl apply`, `helm
+    install`). It checks the default as written, without the defaults nested under it: that is how
+    ``engine: {}`` reaches the engine's rules with no ``prefiller``. An object that omits the field gets the
+    default with the nested defaults applied, so that value is checked as well.
+    """
+    failures = []
+    for path, node in schema_nodes(schema):
+        if "default" not in node:
+            continue
+        schema_errors = jsonschema.Draft4Validator(node).iter_errors(node["default"])
+        failures += [(f"{path}.default", error.message) for error in schema_errors]
+        defaulted = apply_crd_defaults(node, copy.deepcopy(node["default"]))
+        for value in [node["default"]] + ([defaulted] if defaulted != node["default"] else []):
+            failures += cel_failures(node, copy.deepcopy(value), f"{path}.default")
+    return failures
+
+
+def test_the_api_server_accepts_the_crds_defaults() -> None:
+    assert default_failures(crd_schema(committed_crd())) == []
+
+
+def _tiny_schema(rule: str, inner_default: bool = False) -> dict[str, Any]:
+    """An object defaulting to {} with one rule; ``a`` (optional, an object) holds ``b``."""
+    a: dict[str, Any] = {"type": "object", "properties": {"b": {"type": "string", "maxLength": 1}}}
+    if inner_default:
+        a["default"] = {}
+    node = {"type": "object", "default": {}, "properties": {"a": a},
+            "x-kubernetes-validations": [{"rule": rule, "message": "m"}]}  # fmt: skip
+    return {"type": "object", "properties": {"o": node}}
+
+
+@pytest.mark.parametrize(
+    ("rule", "inner_default", "refused"),
+    [
+        ("!has(self.a.b)", False, True),  # "no such key: a"
+        ("!has(self.a.b)", True, True),  # a's own default is not applied to o's
+        ("has(self.a.b) || true", False, False),  # the error is ignored: the other side decides
+        ("!has(self.a) || !has(self.a.b)", False, False),
+        ("!(has(self.a) && has(self.a.b))", False, False),
+    ],
+)
+def test_a_default_that_a_rule_fails_to_evaluate_on_is_refused(rule: str, inner_default: bool, refused: bool) -> None:
+    failures = default_failures(_tiny_schema(rule, inner_default))
+
+    assert [message.endswith("evaluating rule: m") for _, message in failures] == ([True] if refused else [])
+
+
+POOL_DOCUMENTS = [
+    pytest.param(document, id=f"{path.name}:{document['metadata']['name']}")
+    for path in sorted(EXAMPLES.glob("*.yaml"))
+    for document in yaml.safe_load_all(path.read_text())
+    if isinstance(document, dict) and document.get("kind") == "CoServePool"
+]
+
+
+def test_every_pool_example_is_checked() -> None:
+    assert len(POOL_DOCUMENTS) >= len(POOL_EXAMPLES) > 0
+
+
+@pytest.mark.parametrize("document", POOL_DOCUMENTS)
+def test_every_cel_rule_passes_the_examples_as_the_api_server_stores_them(document: dict[str, Any]) -> None:
+    schema = crd_schema(committed_crd())
+    assert cel_failures(schema, apply_crd_defaults(schema, copy.deepcopy(document)), "") == []
+
+
+def has_guards(tree: lark.Tree, present: frozenset[str], unguarded: list[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """The fields an expression shows present when it is true, and when it is false.
+
+    Each ``has(x.f)`` whose ``x`` is a field not shown present by what is evaluated before it (``has(x)``
+    on the left of ``&&``, ``!has(x)`` on the left of ``||``, a ternary's condition) goes to ``unguarded``.
+    """
+    tree = unwrap(tree)
+    trees = [child for child in tree.children if isinstance(child, lark.Tree)]
+    if tree.data == "ident_arg" and tree.children[0] == "has":
+        field = selection(trees[0]) if trees else None
+        assert field is not None, f"has() of something other than a field: {tree}"
+        parts = field.split(".")
+        if len(parts) > 2 and ".".join(parts[:-1]) not in present:
+            unguarded.append(f"has({field})")
+        return frozenset(".".join(parts[:n]) for n in range(2, len(parts) + 1)), frozenset()
+    if tree.data in ("conditionaland", "conditionalor") and len(trees) == 2:
+        left_true, left_false = has_guards(trees[0], present, unguarded)
+        if tree.data == "conditionaland":
+            right_true, right_false = has_guards(trees[1], present | left_true, unguarded)
+            return left_true | right_true, left_false & right_false
+        right_true, right_false = has_guards(trees[1], present | left_false, unguarded)
+        return left_true & right_true, left_false | right_false
+    if tree.data == "unary" and trees[0].data == "unary_not":
+        when_true, when_false = has_guards(trees[1], present, unguarded)
+        return when_false, when_true
+    if tree.data == "expr" and len(trees) == 3:
+        when_true, when_false = has_guards(trees[0], present, unguarded)
+        has_guards(trees[1], present | when_true, unguarded)
+        has_guards(trees[2], present | when_false, unguarded)
+        return frozenset(), frozenset()
+    for child in trees:
+        has_guards(child, present, unguarded)
+    return frozenset(), frozenset()
+
+
+def unguarded_has(schema: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(node, ``has(x.f)``, rule) of every rule that evaluates ``x`` without first testing that it is there."""
+    found = []
+    for path, node in schema_nodes(schema):
+        for rule in node.get("x-kubernetes-validations", []):
+            unguarded: list[str] = []
+            has_guards(cel_ast(rule["rule"]), frozenset(), unguarded)
+            found += [(path, call, rule["rule"]) for call in unguarded]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("rule", "unguarded"),
+    [
+        ("!has(self.a.b)", ["has(self.a.b)"]),
+        # stricter than cel-go, whose && ignores the error where has(self.a) is false: the guard comes first
+        ("has(self.a.b.c) && has(self.a)", ["has(self.a.b.c)"]),
+        ("has(self.a) && has(self.a.b) && has(self.a.b.c)", []),
+        ("!has(self.a) || !has(self.a.b) || self.a.b == ''", []),
+        ("!(has(self.a) && has(self.a.b)) || self.a.all(x, has(self.a.b) && has(x.y))", []),
+        ("has(self.a) ? has(self.a.b) : has(self.c.d)", ["has(self.c.d)"]),
+    ],
+)
+def test_unguarded_has_finds_a_has_of_a_field_of_an_absent_object(rule: str, unguarded: list[str]) -> None:
+    found = unguarded_has({"x-kubernetes-validations": [{"rule": rule, "message": "m"}]})
+
+    assert [call for _, call, _ in found] == unguarded
+
+
+def test_every_has_of_a_nested_field_tests_the_object_first() -> None:
+    """A default or a stored object without the object would make the rule fail to evaluate (see above)."""
+    assert unguarded_has(crd_schema(committed_crd())) == []
+
+
+# --- The API server's CEL cost budget ---------------------------------------------------------------------
+
+_ITERATING_MACROS = {"all", "exists", "exists_one", "map", "filter"}
+_BOUNDS = ("maxItems", "maxProperties", "maxLength", "enum")
+
+
+def schema_of(tree: lark.Tree, scope: dict[str, Any]) -> dict[str, Any] | None:
+    """The schema node of the field an expression selects (``self.a``, ``m.name`` in a macro), else None."""
+    tree = unwrap(tree)
+    if tree.data == "ident":
+        return scope.get(str(tree.children[0]))  # type: ignore[no-any-return]
+    if tree.data == "member_dot":
+        base = schema_of(tree.children[0], scope)
+        if base is None or base.get("x-kubernetes-preserve-unknown-fields"):
+            return None
+        name = str(tree.children[1])
+        assert name in base.get("properties", {}), f"{tree} selects a field the schema does not have"
+        return base["properties"][name]  # type: ignore[no-any-return]
+    return None
+
+
+def read_nodes(tree: lark.Tree, scope: dict[str, Any], found: list[dict[str, Any]]) -> None:
+    """Schema nodes whose values the expression reads (iterates, measures, compares), into ``found``.
+
+    A macro's variable stands for the list's items (a map's keys have no schema); ``has()`` reads nothing.
+    """
+    tree = unwrap(tree)
+    node = schema_of(tree, scope) if tree.data in ("ident", "member_dot") else None
+    if node is not None:
+        found.append(node)
+        return
+    if tree.data == "ident_arg" and tree.children[0] == "has":
+        return
+    if tree.data == "member_dot_arg" and str(tree.children[1]) in _ITERATING_MACROS:
+        target, _, arguments = tree.children
+        read_nodes(target, scope, found)
+        iterated = schema_of(target, scope)
+        variable, *bodies = arguments.children
+        items = iterated.get("items") if iterated is not None else None
+        for body in bodies:
+            read_nodes(body, {**scope, str(selection(variable)): items}, found)
+        return
+    for child in tree.children:
+        if isinstance(child, lark.Tree):
+            read_nodes(child, scope, found)
+
+
+def rule_reads(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(schema path, node) of every list, map and string that a CEL rule of the schema reads."""
+    paths = {id(node): path for path, node in schema_nodes(schema)}
+    read: dict[int, dict[str, Any]] = {}
+    for _, node in schema_nodes(schema):
+        for rule in node.get("x-kubernetes-validations", []):
+            found: list[dict[str, Any]] = []
+            read_nodes(cel_ast(rule["rule"]), {"self": node}, found)
+            read.update((id(sub), sub) for sub in found)
+    return [(paths[key], sub) for key, sub in read.items()
+            if sub.get("type") in ("array", "string") or "additionalProperties" in sub
+            or sub.get("x-kubernetes-int-or-string")]  # fmt: skip
+
+
+def unbounded_reads(schema: dict[str, Any]) -> list[str]:
+    return [path for path, node in rule_reads(schema) if not any(bound in node for bound in _BOUNDS)]
+
+
+def test_every_list_map_and_string_a_cel_rule_reads_is_bounded() -> None:
+    """The API server estimates each rule's worst-case cost when the CRD is created, from the maxItems,
+    maxProperties and maxLength (or enum) of what the rule walks and compares, and refuses a CRD whose rule
+    could exceed its budget; without a bound it assumes a value as large as a whole request."""
+    schema = crd_schema(committed_crd())
+    assert unbounded_reads(schema) == []
+
+
+def test_removing_any_bound_a_cel_rule_relies_on_is_noticed() -> None:
+    schema = copy.deepcopy(crd_schema(committed_crd()))
+    read = rule_reads(schema)
+    assert {node["type"] for _, node in read if "type" in node} == {"array", "object", "string"}
+    for path, node in read:
+        removed = {bound: node.pop(bound) for bound in _BOUNDS if bound in node}
+        assert path in unbounded_reads(schema), f"{path} unbounded ({removed}) goes unnoticed"
+        node.update(removed)

@@ -115,7 +115,8 @@ _RESOURCE_NAME_RULE = {
         {"rule": "self.all(k, size(k) >= 1 && size(k) <= 253)", "message": "resource names are 1 to 253 characters"}
     ]
 }
-ResourceList = Annotated[dict[ResourceName, Quantity], Field(json_schema_extra=_RESOURCE_NAME_RULE)]
+# Bounded so that the API server's cost estimate of the rule that walks the keys stays small.
+ResourceList = Annotated[dict[ResourceName, Quantity], Field(max_length=32, json_schema_extra=_RESOURCE_NAME_RULE)]
 
 
 class ResourceRequirements(ApiModel):
@@ -186,6 +187,18 @@ def _cel(*rules: tuple[str, str] | tuple[str, str, str]) -> dict[str, Any]:
 
 def _cel_list(values: Iterable[str]) -> str:
     return "[" + ", ".join(f"'{value}'" for value in values) + "]"
+
+
+def _has(field: str) -> str:
+    """CEL that ``field`` (``self.a.b.c``) is set, each object on the way tested first.
+
+    The API server's CEL tests only the last field of ``has(self.a.b)``: where ``self.a`` is absent, the
+    rule fails to evaluate ("no such key: a") rather than answer false, and the object, or a CRD whose
+    default reaches the rule, is refused.
+    """
+    parts = field.split(".")
+    tests = [f"has({'.'.join(parts[:n])})" for n in range(2, len(parts) + 1)]
+    return tests[0] if len(tests) == 1 else "(" + " && ".join(tests) + ")"
 
 
 def _fail(problems: Sequence[tuple[tuple[str | int, ...], str, object]]) -> NoReturn:
@@ -790,9 +803,9 @@ def _unnamed_volumes(
 
 def _mount_rule(mounts: str, volumes: Sequence[str], field_path: str) -> tuple[str, str, str]:
     """CEL: every mount of ``mounts`` names a volume of one of the ``volumes`` lists."""
-    names = " || ".join(f"(has({v}) && {v}.exists(v, v.name == m.name))" for v in volumes)
+    names = " || ".join(f"({_has(v)} && {v}.exists(v, v.name == m.name))" for v in volumes)
     return (
-        f"!has({mounts}) || {mounts}.all(m, {names})",
+        f"!{_has(mounts)} || {mounts}.all(m, {names})",
         "volumeMounts name volumes of the same pod options (a role's may also name engine.volumes)",
         field_path,
     )
@@ -1477,7 +1490,7 @@ def _spec_rules() -> dict[str, Any]:
         options = "self." + ".".join(path)
         rules.append(
             (
-                f"!has(self.model.hfTokenSecretRef) || !has({options}.env) "
+                f"!{_has('self.model.hfTokenSecretRef')} || !{_has(options + '.env')} "
                 f"|| !{options}.env.exists(e, e.name == '{HF_TOKEN_ENV}')",
                 _HF_TOKEN_RULE_MESSAGE,
                 f".{'.'.join(path)}.env",
@@ -1485,7 +1498,7 @@ def _spec_rules() -> dict[str, Any]:
         )
         rules.append(
             (
-                f"!has(self.model.cache) || !has({options}.volumeMounts) "
+                f"!{_has('self.model.cache')} || !{_has(options + '.volumeMounts')} "
                 f"|| !{options}.volumeMounts.exists(m, m.mountPath == self.model.cache.mountPath)",
                 _CACHE_MOUNT_RULE_MESSAGE,
                 f".{'.'.join(path)}.volumeMounts",
