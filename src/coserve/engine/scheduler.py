@@ -128,9 +128,9 @@ class TDGScheduler(Scheduler):
         if held:
             self.running = [r for r in self.running if r.request_id in decision.selected_ids]
         # vLLM serves running requests before waiting ones; capping each running request at the largest
-        # allowance the policy gave a running request leaves room for the waiting ones it put first.
-        running_allowances = [decision.allowances[r.request_id] for r in self.running]
-        cap = max(running_allowances, default=0)
+        # allowance the policy gave a running request leaves room for the waiting ones it put first. After a
+        # stalled step the running requests the policy did not select run too, with no allowance of their own.
+        cap = max((decision.allowances.get(r.request_id, 0) for r in self.running), default=0)
         threshold = self.scheduler_config.long_prefill_token_threshold
         saved = (self.max_num_scheduled_tokens, self.max_num_running_reqs, self.max_num_active_reqs)
         # NOTE: held requests keep their model-runner slots, so the step may admit that many fewer.

@@ -1,0 +1,119 @@
+"""A step that ran nothing is followed by one that runs what the policy held back, and the engine lives on.
+
+``TDGScheduler`` runs here in-process as vLLM's engine core drives it: vLLM's own ``Scheduler`` machinery
+(KV cache manager, block pool, prefix-cache hashing, waiting queue) on the tiny model's config, with no
+model runner. The model runner is the one part replaced, by ``run_step`` below, because the path under
+test is the scheduler's bookkeeping between steps: what a forward pass would return (one sampled token
+per request that has finished its prompt) is all the scheduler reads from it.
+
+The path: two offline requests hold most of the KV cache; an interactive request arrives whose first
+chunk needs more blocks than are free. The policy puts it first and gives it the whole token budget, so
+the running offline requests are held back; vLLM cannot allocate the interactive request's blocks, so
+the step schedules nothing ("stalled"). The next step must hold nothing back so the engine progresses;
+the running requests then have no allowance from the policy, which once raised ``KeyError`` and killed
+the engine core.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from coserve.engine.scheduler import TDGScheduler
+
+BLOCK = 16
+NUM_BLOCKS = 40  # 39 usable blocks: 624 tokens, enough for one max_model_len request
+MAX_MODEL_LEN = 512
+STEP_TOKENS = 256
+
+
+def make_scheduler(model: Path) -> TDGScheduler:
+    init_none_hash(sha256)
+    model_config = ModelConfig(
+        model=str(model), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=STEP_TOKENS,
+        max_model_len=MAX_MODEL_LEN,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+    )
+    cache_config = CacheConfig(block_size=BLOCK, cache_dtype="auto")
+    cache_config.num_gpu_blocks = NUM_BLOCKS
+    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
+    return TDGScheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+    )
+
+
+def make_request(request_id: str, prompt_tokens: int, cls: str, max_tokens: int, first_token: int) -> Request:
+    """A prompt of distinct token ids from ``first_token`` (no prefix shared with another request's)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"coserve_class": cls})
+    return Request(
+        request_id,
+        list(range(first_token, first_token + prompt_tokens)),
+        params,
+        None,
+        arrival_time=time.time(),
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+
+
+def run_step(scheduler: TDGScheduler) -> dict[str, int]:
+    """One engine-core step: schedule, then what the forward pass returns, then the scheduler's update."""
+    output = scheduler.schedule()
+    ids = list(output.num_scheduled_tokens)
+    sampled = [
+        [7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else [] for r in ids
+    ]
+    runner: Any = ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+    )
+    scheduler.update_from_output(output, runner)
+    return dict(output.num_scheduled_tokens)
+
+
+def test_after_a_step_that_ran_nothing_the_held_requests_run_and_the_urgent_one_starts(tiny_model: Path) -> None:
+    scheduler = make_scheduler(tiny_model)
+    for index, name in enumerate(("offline-0", "offline-1")):
+        scheduler.add_request(make_request(name, 200, "offline", max_tokens=24, first_token=1 + 200 * index))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or len(scheduler.running) < 2:
+        run_step(scheduler)
+    free_tokens = scheduler.kv_cache_manager.block_pool.get_num_free_blocks() * BLOCK
+    assert free_tokens < STEP_TOKENS, "the urgent request's first chunk must not fit beside the offline ones"
+
+    scheduler.add_request(make_request("urgent", 300, "interactive", max_tokens=4, first_token=500))
+    steps: list[dict[str, int]] = []
+    while "urgent" not in (step := run_step(scheduler)):
+        steps.append(step)
+        assert len(steps) < 200, f"the urgent request never started: {steps[-4:]}"
+    assert {} in steps, "no step stalled: the path under test was not reached"
+    stalled_at = steps.index({})
+    # the step after a stall runs the offline requests the policy held back
+    assert set(steps[stalled_at + 1]) == {"offline-0", "offline-1"}
+    # it starts once an offline request has finished and freed the KV it needed
+    assert {"offline-0", "offline-1"} - set(scheduler.requests)
+    assert step["urgent"] == STEP_TOKENS
