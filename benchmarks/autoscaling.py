@@ -65,7 +65,7 @@ scaling down and the same start-up delay:
 Both start at the spec's plan and begin evaluating once the 2-minute rate
 window is full (``WARMUP_S``).
 
-Traces (``--trace``, repeatable; default both shared traces) are replayed
+Traces (``--trace``, repeatable; default both traces in data/traces) are replayed
 ``--speedup`` times faster (load changes come faster than pods start), their
 rate multiplied by a per-trace scale: by default the one at which the trace's
 mean prompt-token rate needs ``--prefillers-at-mean`` prefillers at the
@@ -586,7 +586,7 @@ class _Inline(Executor):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--trace", type=Path, action="append", help="a trace to replay (repeatable; default: both shared traces)"
+        "--trace", type=Path, action="append", help="a trace to replay (repeatable; default: both in data/traces)"
     )
     parser.add_argument("--speedup", type=float, default=4.0, help="replay this many times faster (default 4)")
     parser.add_argument("--scale", type=float, default=None, help="rate multiplier for every trace (default: auto)")

@@ -63,7 +63,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from _harness import RESULTS, reportable_percentile, say, write_result
+from _harness import RESULTS, TRACES, reportable_percentile, say, write_result
 
 from coserve.api.problems import InvalidInput
 from coserve.api.spec import SpecModel
@@ -77,7 +77,6 @@ from coserve.sim import OfflineWork, PoolSim, SimConfig, SimResult
 ROOT = Path(__file__).resolve().parents[1]
 POOL = ROOT / "examples/pool.yaml"
 PROFILE = ROOT / "examples/profile-h100-published.yaml"
-TRACES = ROOT.parent / "shared/traces"
 AZURE = TRACES / "azure_llm_2023_conv.csv"
 MOONCAKE = TRACES / "mooncake_conversation.jsonl"
 
@@ -673,7 +672,7 @@ def main() -> int:
     args = parser.parse_args()
     for trace in (AZURE, MOONCAKE):
         if not trace.exists():
-            print(f"simulator_at_scale: the shared trace {trace} is missing", file=sys.stderr)
+            print(f"simulator_at_scale: the trace {trace} is missing (data/traces/README.md)", file=sys.stderr)
             return 2
     setting = Setting()
     jobs: dict[str, Callable[[], dict[str, Any]]] = {

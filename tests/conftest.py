@@ -13,6 +13,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 CRD_FILE = ROOT / "crds" / "coserve.dev_coservepools.yaml"
+# The data in this checkout (see each folder's README.md): real serving traces, what a real kube-apiserver returned.
+TRACES = ROOT / "data" / "traces"
+APISERVER_RECORDINGS = ROOT / "data" / "apiserver"
 
 
 def sanity_document(**workload: Any) -> dict[str, Any]:

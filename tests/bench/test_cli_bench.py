@@ -3,12 +3,14 @@ tests/engine/test_router_engines.py). The fake engines are test doubles for vLLM
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from coserve.cli import bench as cli_bench
 from coserve.cli.main import main
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
@@ -100,6 +102,25 @@ def test_a_file_that_is_not_the_trace_is_a_clear_error(tmp_path: Path, capsys: p
     trace.write_text("a,b\n1,2\n")
     assert main(["bench", "--url", "http://x", "--workload", "azure", "--trace", str(trace)]) == 2
     assert "is not a azure trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workload", ["mooncake", "azure"])
+def test_without_trace_a_checkout_replays_its_own_copy_of_the_trace(workload: str) -> None:
+    parser = argparse.ArgumentParser()
+    cli_bench.add_workload_arguments(parser, conversations=3)
+    conversations = cli_bench.workload_from(parser.parse_args(["--workload", workload]), lengths_only=True)
+    assert len(conversations) == 3
+    assert cli_bench.DEFAULT_TRACES[workload].parent.parts[-2:] == ("data", "traces")
+
+
+def test_a_missing_default_trace_says_to_pass_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Installed from a wheel, coserve has no data/traces beside it."""
+    monkeypatch.setitem(cli_bench.DEFAULT_TRACES, "mooncake", tmp_path / "data/traces/mooncake_conversation.jsonl")
+    assert main(["bench", "--url", "http://x", "--workload", "mooncake"]) == 2
+    err = capsys.readouterr().err
+    assert "--trace: no mooncake trace at" in err and "pass --trace FILE" in err
 
 
 def test_a_mooncake_trace_file_is_replayed_sped_up_and_scaled(

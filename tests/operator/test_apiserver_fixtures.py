@@ -1,6 +1,6 @@
 """reconcile() against what a real kube-apiserver returned for coserve's own objects.
 
-The recordings in ``shared/apiserver-fixtures`` (see its README.md) are the two
+The recordings in ``data/apiserver`` (see its README.md) are, first, the two
 example pools and their seven children each, as Kubernetes 1.35 stored them after
 the operator created them: quantities as strings, false booleans left out, server
 defaults filled in, and (in a raw LIST) items without ``apiVersion`` or ``kind``.
@@ -13,6 +13,11 @@ identity (ServiceAccount, Role, RoleBinding for its batch Leases) and PodDisrupt
 and the router's batch lock setting: ``upgraded`` applies what this version adds to them once, as the
 server would store it (a merge patch; quantities as strings; false booleans left out), and
 checks that an upgrade is exactly that. The world after the upgrade must then decide nothing.
+
+Recorded later (at 8ba8e40), the pool ``assistant`` of ``examples/pool-production.yaml`` has a child of
+every kind a pool may have, as the server stored each. Reconciled against them, the operator decides
+nothing for any kind; a hand edit of a field it sets on any kind is drift; and ``as_stored``, the
+tests' own model of the stored form (used by ``upgraded`` and by the kmock tests), agrees with them.
 """
 
 from __future__ import annotations
@@ -21,18 +26,14 @@ import copy
 import json
 from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import APISERVER_RECORDINGS as FIXTURES
 from coserve.operator.reconcile import ChildKey, Reconciliation, reconcile
+from coserve.operator.resources import CHILDREN
 from operator_kmock import as_stored
-
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "apiserver-fixtures"
-pytestmark = pytest.mark.skipif(
-    not FIXTURES.is_dir(), reason=f"no API server recordings at {FIXTURES} (shared/ beside the checkout)"
-)
 
 # coserve's version at the commit the recordings were made at: a router on the default image follows it.
 RECORDED_OPERATOR_TAG = "0.1.0"
@@ -337,3 +338,162 @@ def test_replicas_the_autoscaler_set_are_kept() -> None:
     # ... but the router's replicas still belong to the plan.
     observed[("Deployment", "agents-router")]["spec"]["replicas"] = 9
     assert actions(decide(body, observed)) == [("patch", "Deployment", "agents-router", "drifted: spec.replicas")]
+
+
+# --- every child kind as the server stored it: the pool "assistant" (examples/pool-production.yaml), at 8ba8e40 ---
+
+# The kinds recorded in llm.assistant.<kind>.list.json: every kind resources.CHILDREN names.
+KINDS = ("ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Secret", "NetworkPolicy", "ServiceAccount",
+         "Role", "RoleBinding", "PodDisruptionBudget")  # fmt: skip
+ASSISTANT_NOW = datetime(2026, 12, 4, 15, 20, tzinfo=UTC)  # after the recording (the pool was applied at 15:13)
+ASSISTANT_SOURCES = {"kubectl-lists": SOURCES["kubectl-lists"], "no-apiVersion-kind": without_type}
+
+
+def assistant() -> dict[str, Any]:
+    body: dict[str, Any] = load("llm.assistant.coservepool.json")
+    return body
+
+
+def recorded(kind: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = load(f"llm.assistant.{kind.lower()}.list.json")["items"]
+    assert items and all(item["kind"] == kind for item in items)
+    return items
+
+
+def every_kind(source: str = "kubectl-lists") -> Observed:
+    """Every child of the pool ``assistant`` as the server stored it, read afresh (the way ``source`` reads it)."""
+    observed = {(kind, item["metadata"]["name"]): item for kind in KINDS for item in recorded(kind)}
+    return ASSISTANT_SOURCES[source](observed)
+
+
+def decide_assistant(observed: Observed) -> Reconciliation:
+    return decide(assistant(), observed, ASSISTANT_NOW)
+
+
+def test_the_recordings_hold_every_child_of_every_kind() -> None:
+    assert set(KINDS) == {kind for kind, _ in CHILDREN}
+    created = decide_assistant({})
+    assert all(a.verb == "create" for a in created.actions)
+    assert {(a.kind, a.name) for a in created.actions} == set(every_kind())  # every child rendered, each recorded
+
+
+@pytest.mark.parametrize("source", ASSISTANT_SOURCES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_child_of_any_kind_as_the_server_stored_it_is_drift(kind: str, source: str) -> None:
+    result = decide_assistant(every_kind(source))
+    assert result.plan_valid
+    assert [action for action in actions(result) if action[1] == kind] == []
+    assert result.events == ()
+
+
+def _stored_differently(sent: Any, stored: Any, path: str = "") -> list[str]:
+    """Paths where ``stored`` lacks a value of ``sent`` or holds it in another JSON form (fields only in
+    ``stored``, the server's defaults and bookkeeping, are not compared)."""
+    if isinstance(sent, dict) and isinstance(stored, dict):
+        out = []
+        for key, value in sent.items():
+            here = f"{path}.{key}"
+            out += _stored_differently(value, stored[key], here) if key in stored else [f"{here} (left out)"]
+        return out
+    if isinstance(sent, list) and isinstance(stored, list) and len(sent) == len(stored):
+        out = []
+        for index, (one, other) in enumerate(zip(sent, stored, strict=True)):
+            out += _stored_differently(one, other, f"{path}[{index}]")
+        return out
+    return [] if type(sent) is type(stored) and sent == stored else [f"{path} ({sent!r} stored as {stored!r})"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_as_stored_is_what_the_server_stored(kind: str) -> None:
+    """``as_stored`` of what the operator sends holds nothing the server left out or changed (defaults aside)."""
+    stored = every_kind()
+    sent = [a.body for a in decide_assistant({}).actions if a.kind == kind]
+    assert sent
+    for body in sent:
+        assert _stored_differently(as_stored(body), stored[(kind, body["metadata"]["name"])]) == []
+        listed = as_stored(body, listed=True)
+        assert "apiVersion" not in listed and "kind" not in listed
+
+
+def _kind_edits() -> list[Any]:
+    """(edit of a field the operator sets on one recorded child, that child, the path the patch names)."""
+
+    def label(kind: str, name: str) -> Any:
+        def edit(observed: Observed) -> str:
+            observed[(kind, name)]["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "someone-else"
+            return "metadata.labels.app.kubernetes.io/managed-by"
+
+        return pytest.param(edit, (kind, name), id=f"{kind}-label")
+
+    def config(observed: Observed) -> str:
+        observed[("ConfigMap", "assistant-config")]["data"]["router.json"] = "{}\n"
+        return "data.router.json"
+
+    def image(observed: Observed) -> str:
+        deployment = observed[("Deployment", "assistant-decoder")]
+        deployment["spec"]["template"]["spec"]["containers"][0]["image"] = "example.com/hacked:latest"
+        return "spec.template.spec.containers[0].image"
+
+    def port(observed: Observed) -> str:
+        observed[("Service", "assistant-router")]["spec"]["ports"][0]["port"] = 8081
+        return "spec.ports[0].port"
+
+    def secret_type(observed: Observed) -> str:
+        observed[("Secret", "assistant-router-token")]["type"] = "kubernetes.io/basic-auth"
+        return "type"
+
+    def scrape_port(observed: Observed) -> str:
+        observed[("NetworkPolicy", "assistant-engines")]["spec"]["ingress"][1]["ports"][0]["port"] = 9000
+        return "spec.ingress[1].ports[0].port"
+
+    def scrapers_from_this_namespace_only(observed: Observed) -> str:
+        # the server stores the rendered {matchLabels: {}} as {}, which is not drift; no selector at all is
+        del observed[("NetworkPolicy", "assistant-engines")]["spec"]["ingress"][1]["from"][0]["namespaceSelector"]
+        return "spec.ingress[1].from[0].namespaceSelector"
+
+    def verbs(observed: Observed) -> str:
+        observed[("Role", "assistant-router")]["rules"][0]["verbs"].append("delete")
+        return "rules[0].verbs"
+
+    def subject(observed: Observed) -> str:
+        observed[("RoleBinding", "assistant-router")]["subjects"][0]["name"] = "default"
+        return "subjects[0].name"
+
+    def budget(observed: Observed) -> str:
+        observed[("PodDisruptionBudget", "assistant-decoder")]["spec"]["minAvailable"] = 1
+        return "spec.minAvailable"
+
+    return [
+        label("ConfigMap", "assistant-config"),
+        label("PersistentVolumeClaim", "assistant-model-cache"),
+        label("Deployment", "assistant-router"),
+        label("Service", "assistant-decoder"),
+        label("Secret", "assistant-router-token"),
+        label("NetworkPolicy", "assistant-engines"),
+        label("ServiceAccount", "assistant-router"),
+        label("Role", "assistant-router"),
+        label("RoleBinding", "assistant-router"),
+        label("PodDisruptionBudget", "assistant-prefiller"),
+        pytest.param(config, ("ConfigMap", "assistant-config"), id="ConfigMap-data"),
+        pytest.param(image, ("Deployment", "assistant-decoder"), id="Deployment-image"),
+        pytest.param(port, ("Service", "assistant-router"), id="Service-port"),
+        pytest.param(secret_type, ("Secret", "assistant-router-token"), id="Secret-type"),
+        pytest.param(scrape_port, ("NetworkPolicy", "assistant-engines"), id="NetworkPolicy-port"),
+        pytest.param(
+            scrapers_from_this_namespace_only, ("NetworkPolicy", "assistant-engines"), id="NetworkPolicy-namespaces"
+        ),
+        pytest.param(verbs, ("Role", "assistant-router"), id="Role-verbs"),
+        pytest.param(subject, ("RoleBinding", "assistant-router"), id="RoleBinding-subject"),
+        pytest.param(budget, ("PodDisruptionBudget", "assistant-decoder"), id="PodDisruptionBudget-minAvailable"),
+    ]
+
+
+@pytest.mark.parametrize("source", ASSISTANT_SOURCES)
+@pytest.mark.parametrize(("edit", "child"), _kind_edits())
+def test_a_hand_edit_of_any_kind_patches_exactly_that_child(
+    edit: Callable[[Observed], str], child: ChildKey, source: str
+) -> None:
+    observed = every_kind(source)  # read afresh from the files
+    path = edit(observed)
+    result = decide_assistant(observed)
+    assert actions(result) == [("patch", *child, f"drifted: {path}")]

@@ -12,6 +12,7 @@ import pytest
 from coserve.api.problems import Problem
 from coserve.operator.normalize import parse_quantity, same_quantity
 from coserve.operator.reconcile import ChildKey, drift, reconcile
+from operator_kmock import as_stored
 from pool_builders import sample_pool
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
@@ -28,11 +29,12 @@ def pool(**spec_updates: Any) -> dict[str, Any]:
 
 
 def applied(body: dict[str, Any], ready: bool = True) -> dict[ChildKey, dict[str, Any]]:
-    """What the API server holds after the operator's first reconcile, with server-side additions."""
+    """What the API server holds after the operator's first reconcile, stored as the server stores it (``as_stored``,
+    checked against the recordings in test_apiserver_fixtures.py), with some server-side additions."""
     result = reconcile(body, {}, NOW)
     observed: dict[ChildKey, dict[str, Any]] = {}
     for action in result.actions:
-        child = copy.deepcopy(action.body)
+        child = as_stored(action.body)
         child["metadata"]["uid"] = f"uid-{action.name}"
         child["metadata"]["resourceVersion"] = "17"
         if child["kind"] == "Deployment":
@@ -444,7 +446,12 @@ def claim(storage: str = "100Gi", **spec: Any) -> dict[str, Any]:
 
 
 def stored_claim(rendered: dict[str, Any]) -> dict[str, Any]:
-    """A claim as the API server and the provisioner keep it: defaults, a bound volume, a finalizer, status."""
+    """A claim as the API server and the provisioner keep it: defaults, a bound volume, a finalizer, status.
+
+    The server's part (the finalizer, ``volumeMode``) is what it added to the recorded claim
+    (``data/apiserver/llm.assistant.persistentvolumeclaim.list.json``, checked in test_apiserver_fixtures.py);
+    that claim stayed Pending, so the provisioner's part (a default class, ``volumeName``, Bound) is not recorded.
+    """
     out = copy.deepcopy(rendered)
     out["metadata"] |= {"uid": "uid-claim", "resourceVersion": "9", "finalizers": ["kubernetes.io/pvc-protection"]}
     out["spec"].setdefault("storageClassName", "standard")

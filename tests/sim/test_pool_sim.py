@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TRACES
 from coserve.autoscaling.policy import Replicas
 from coserve.bench.workload import Conversation, Turn, agentic, from_mooncake
 from coserve.scheduling import SlideConfig, StepCostModel
@@ -204,9 +205,7 @@ def test_the_command_mixes_classes_harvests_offline_work_autoscales_and_plots(tm
 
 def test_a_trace_read_for_lengths_only_has_the_same_turns() -> None:
     """The simulator reads traces without drawing prompt tokens; lengths, answers and times are the same."""
-    trace = ROOT.parent / "shared/traces/mooncake_conversation.jsonl"
-    if not trace.exists():
-        pytest.skip(f"the shared Mooncake trace is not at {trace}")
+    trace = TRACES / "mooncake_conversation.jsonl"
     rows = [json.loads(line) for line in trace.read_text().splitlines()[:300]]
     full = from_mooncake(rows, scale=0.1)
     light = from_mooncake(rows, scale=0.1, lengths_only=True)

@@ -20,16 +20,21 @@ from coserve.api.problems import InvalidInput, Problem
 
 __all__ = ["add_bench_command", "add_workload_arguments", "check_workload", "workload_from"]
 
+# The real traces in a checkout of the coserve repository (data/traces/README.md), found from this file
+# (src/coserve/cli/bench.py), so from any folder with an editable install. A wheel carries none: --trace.
+TRACES_DIR = Path(__file__).resolve().parents[3] / "data" / "traces"
 DEFAULT_TRACES = {
-    "mooncake": Path("../shared/traces/mooncake_conversation.jsonl"),
-    "azure": Path("../shared/traces/azure_llm_2023_conv.csv"),
+    "mooncake": TRACES_DIR / "mooncake_conversation.jsonl",
+    "azure": TRACES_DIR / "azure_llm_2023_conv.csv",
 }
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, conversations: int) -> None:
     """The workload flags ``coserve bench`` and ``coserve simulate`` share (read by ``workload_from``)."""
     parser.add_argument("--workload", choices=("agentic", "mooncake", "azure"), default="agentic")
-    parser.add_argument("--trace", metavar="FILE", help="the trace file (default: ../shared/traces/<the trace>)")
+    parser.add_argument(
+        "--trace", metavar="FILE", help="the trace file (default: data/traces/<the trace> of a coserve checkout)"
+    )
     parser.add_argument(
         "--conversations", type=int, default=conversations, help=f"conversations (default {conversations})"
     )
@@ -105,6 +110,10 @@ def workload_from(args: argparse.Namespace, lengths_only: bool = False) -> list[
         return workload.agentic(args.conversations, args.rate, args.turns, args.first, args.appended, args.answer,
                                 args.gap, args.seed)  # fmt: skip
     path = Path(args.trace) if args.trace else DEFAULT_TRACES[args.workload]
+    if not args.trace and not path.is_file():
+        raise InvalidInput([Problem("--trace", f"no {args.workload} trace at {path}, the default: the traces come "
+                                    "with a checkout of the coserve repository (data/traces), not with an installed "
+                                    "package; pass --trace FILE")])  # fmt: skip
     replay = {"speedup": args.speedup, "scale": args.scale, "max_conversations": args.conversations,
               "max_input_tokens": args.max_input, "max_output_tokens": args.max_output,
               "lengths_only": lengths_only}  # fmt: skip
