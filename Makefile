@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint typecheck imports unit e2e crd clean prometheus
+.PHONY: demo test lint typecheck imports unit e2e crd clean prometheus bench-status bench-status-readme
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,8 @@ $(TOOLS): $(STAMP) scripts/install_k8s_tools.py
 demo: $(STAMP)
 	BIN=$(BIN) scripts/demo.sh examples/pool.yaml
 
-## test: lint, type-check, import contracts and the whole test suite
-test: lint typecheck imports unit
+## test: lint, type-check, import contracts and the whole test suite; then which benchmark results are stale
+test: lint typecheck imports unit bench-status
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests e2e benchmarks
@@ -55,6 +55,14 @@ unit: $(STAMP) $(TOOLS) prometheus
 ## e2e: tests against the cluster in KUBECONFIG (skips without one)
 e2e: $(STAMP) $(TOOLS)
 	$(BIN)/pytest e2e -m e2e
+
+## bench-status: every benchmark result, fresh or stale, and the measured files that changed (never fails on staleness)
+bench-status: $(STAMP)
+	$(BIN)/python benchmarks/freshness.py
+
+## bench-status-readme: the same, and rewrite the README benchmark table's "measured at" column
+bench-status-readme: $(STAMP)
+	$(BIN)/python benchmarks/freshness.py --readme
 
 ## crd: regenerate crds/ from the API models (and the helm chart's copy)
 crd: $(STAMP)

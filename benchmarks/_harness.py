@@ -15,7 +15,6 @@ import csv
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 
 import httpx
 import yaml
-from measured_paths import MEASURED
+from freshness import begin_run, stamp
 
 from coserve.engine.profiler import default_model_cache
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
@@ -36,7 +35,8 @@ from coserve.scheduling.gain import request_gain, slo_attained
 from coserve.scheduling.requests import ClassRegistry
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+begin_run()  # the code this run measures is the code it starts with (freshness.stamp)
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"  # the real traces in this checkout (README.md there)
 AZURE_CONV = TRACES / "azure_llm_2023_conv.csv"
 # Token ids below this are the tiny model's special tokens.
 FIRST_PLAIN_ID = 16
@@ -105,14 +105,14 @@ TRACE_FORMATS = "an Azure LLM inference CSV (TIMESTAMP,ContextTokens,GeneratedTo
 
 
 def load_trace(path: Path) -> list[TraceRow]:
-    """Any trace in the formats of ``../shared/traces/README.md``: arrival offsets (s) and token counts.
+    """Any trace in the formats of ``data/traces/README.md``: arrival offsets (s) and token counts.
 
     Azure CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``) or Mooncake JSONL
     (``timestamp`` in ms, ``input_length``, ``output_length``), told apart by content,
     sorted by arrival, offsets from the first arrival. A file that is neither is a clear error.
     """
     if not path.exists():
-        raise SystemExit(f"trace not found: {path} (the benchmarks replay ../shared/traces by default)")
+        raise SystemExit(f"trace not found: {path} (the benchmarks replay data/traces by default)")
     with path.open() as handle:
         first = handle.readline().strip()
         handle.seek(0)
@@ -156,12 +156,12 @@ def add_trace_argument(parser: argparse.ArgumentParser, default: Path = AZURE_CO
         "--trace",
         type=Path,
         default=default,
-        help=f"the trace to replay: {TRACE_FORMATS} (default: ../shared/traces/{default.name})",
+        help=f"the trace to replay: {TRACE_FORMATS} (default: data/traces/{default.name})",
     )
 
 
 def trace_label(path: Path) -> str:
-    """How a result names its trace: the file name, and the path when it is not one of the shared traces."""
+    """How a result names its trace: the file name, and the path when it is not one of the traces in ``TRACES``."""
     return path.name if path.resolve().parent == TRACES.resolve() else str(path)
 
 
@@ -406,63 +406,13 @@ class PairedOverhead:
 
 
 def write_result(name: str, document: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json``, stamped with the commit the run measured, the date and
-    the machine's core count.
-
-    ``commit`` is HEAD when this run started (``RUN_COMMIT``) with ``dirty``: the measured paths
-    (``measured_paths.MEASURED[name]``) that differed from HEAD then. A result measured on
-    uncommitted code, or older than a change to its paths, fails ``tests/benchmarks/test_results_fresh.py``.
-    """
+    """Write ``benchmarks/results/<name>.json``, stamped (``freshness.stamp``) with what it measured, the
+    date and the machine's core count."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
     stamped = {**document, **stamp(name)}
     path.write_text(json.dumps(finite(stamped), indent=2, allow_nan=False) + "\n")
     return path
-
-
-def stamp(name: str) -> dict[str, Any]:
-    """What every result carries besides its figures: commit (with the measured paths that were dirty),
-    the paths it measures, the date and the machine's core count (also used by the GPU check)."""
-    if name not in MEASURED:
-        raise KeyError(f"{name}: list the paths it measures in benchmarks/measured_paths.py")
-    dirty = RUN_COMMIT["dirty"]
-    return {
-        "commit": {
-            "sha": RUN_COMMIT["sha"],
-            "dirty": None if dirty is None else sorted(f for f in dirty if _under(f, MEASURED[name])),
-        },
-        "measured_paths": list(MEASURED[name]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cpu_count": os.cpu_count(),
-    }
-
-
-def _under(path: str, roots: Sequence[str]) -> bool:
-    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
-
-
-def code_version() -> dict[str, Any]:
-    """HEAD and the paths that differ from it (tracked and changed, or untracked); ``None`` outside git."""
-    root = Path(__file__).resolve().parents[1]
-    git = shutil.which("git")
-    if git is None:
-        return {"sha": None, "dirty": None}
-    try:
-        head = subprocess.run(  # noqa: S603 - git, with fixed arguments
-            [git, "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        )
-        status = subprocess.run(  # noqa: S603 - git, with fixed arguments
-            [git, "status", "--porcelain", "--untracked-files=all", "--", "src", "benchmarks"],
-            cwd=root, capture_output=True, text=True, check=True,
-        )  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return {"sha": None, "dirty": None}
-    dirty = [line[3:].split(" -> ")[-1] for line in status.stdout.splitlines() if line.strip()]
-    return {"sha": head.stdout.strip(), "dirty": dirty}
-
-
-# The code a benchmark measures is the code it started with: taken when the benchmark imports the harness.
-RUN_COMMIT = code_version()
 
 
 def finite(document: Any) -> Any:

@@ -42,3 +42,9 @@ def world() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def fidelity() -> Iterator[ModuleType]:
     yield from _script("simulator_fidelity")
+
+
+@pytest.fixture(scope="module")
+def freshness() -> Iterator[ModuleType]:
+    """benchmarks/freshness.py: result stamps and their status."""
+    yield from _script("freshness")
