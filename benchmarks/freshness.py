@@ -232,10 +232,14 @@ def stamp(name: str) -> dict[str, Any]:
 
 
 def code_version() -> dict[str, Any]:
-    """HEAD and the paths that differ from it (tracked and changed, or untracked); ``None`` outside git."""
+    """HEAD and the paths that differ from it (tracked and changed, or untracked).
+
+    Outside a git checkout (a copy of the tree on a lent GPU machine) the commit is ``COSERVE_COMMIT``,
+    when the one who copied it says so, with ``dirty`` unknown (``None``)."""
     git = shutil.which("git")
+    outside = {"sha": os.environ.get("COSERVE_COMMIT") or None, "dirty": None}
     if git is None:
-        return {"sha": None, "dirty": None}
+        return outside
     try:
         head = subprocess.run(  # noqa: S603 - git, with fixed arguments
             [git, "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -245,7 +249,7 @@ def code_version() -> dict[str, Any]:
             cwd=ROOT, capture_output=True, text=True, check=True,
         )  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        return {"sha": None, "dirty": None}
+        return outside
     dirty = [line[3:].split(" -> ")[-1] for line in status.stdout.splitlines() if line.strip()]
     return {"sha": head.stdout.strip(), "dirty": dirty}
 

@@ -51,4 +51,7 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "preemption_latency_cuda": (*ENGINE, *GPU, "benchmarks/preemption.py"),
     "safepoint_overhead_cuda": (*ENGINE, *GPU, "benchmarks/preemption.py"),
     "kv_reload_cuda": (*ENGINE, *GPU, "benchmarks/kv_offload.py"),
+    # the plain-PyTorch GPU check: coserve's safepoint objects without vLLM
+    "torch_preemption_latency_cuda": ("benchmarks/gpu/torch_check.py",),
+    "torch_safepoint_overhead_cuda": ("benchmarks/gpu/torch_check.py",),
 }

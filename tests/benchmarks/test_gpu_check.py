@@ -266,3 +266,29 @@ def test_results_are_written_as_they_come_tagged_cuda(gpu_modules: SimpleNamespa
     latency = json.loads((tmp_path / "preemption_latency_cuda.json").read_text())
     assert latency["met"] is True  # 0.2 ms <= 1.5 x 0.5 ms, and stock is 30x slower
     assert set(results.written) == {"preemption_latency", "safepoint_overhead", "kv_reload"}
+
+
+def test_the_plain_pytorch_gpu_check_runs_its_smoke_mode_on_a_cpu_without_vllm(tmp_path: Path) -> None:
+    """benchmarks/gpu/torch_check.py, the check a lent GPU machine can run: its CPU smoke run (the same code
+    with a 4-layer model), with every import of vLLM and of the serving stack refused, as on that machine
+    (PyTorch and no vLLM), so a broken import or result shape shows before device time is spent."""
+    script = GPU_DIR / "torch_check.py"
+    guarded = (
+        "import builtins, runpy, sys\n"
+        "real = builtins.__import__\n"
+        "def guard(name, *args, **kwargs):\n"
+        "    if name.split('.')[0] in ('vllm', 'httpx', 'yaml', 'aiohttp', 'kopf', 'lightkube'):\n"
+        "        raise ImportError(f'{name} is not on the GPU machine')\n"
+        "    return real(name, *args, **kwargs)\n"
+        "builtins.__import__ = guard\n"
+        f"sys.argv = [{str(script)!r}, '--smoke', '--out', {str(tmp_path)!r}]\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", guarded], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    latency = json.loads((tmp_path / "torch_preemption_latency_cuda.json").read_text())
+    overhead = json.loads((tmp_path / "torch_safepoint_overhead_cuda.json").read_text())
+    assert latency["met"] is False and overhead["met"] is False  # a smoke run never meets a GPU target
+    assert latency["coserve"]["preempted"] == latency["coserve"]["aborts"] > 0  # on a CPU every check preempts
+    assert overhead["overhead"]["n"] >= 4
+    assert "src/coserve/engine/layer_safepoints.py" in latency["code"]["files"]

@@ -1,11 +1,15 @@
 """CoServeConnector: coserve's vLLM KV connector: layer safepoints, host KV offload, the shm handoff.
 
 vLLM calls a KV connector's worker-side ``wait_for_layer_load`` before every
-attention layer, in eager and in torch.compile mode (plain forward hooks do not
-fire under compilation). coserve uses that call as the safepoint: one
-shared-memory read per layer, and ``StepPreempted`` when the step must be
-abandoned. The scheduler-side half numbers the steps so that a stale abort
-flag can never stop a later step.
+attention layer and ``save_kv_layer`` after it, in eager and in torch.compile
+mode (plain forward hooks do not fire under compilation). coserve uses those
+calls as safepoints (``coserve.engine.layer_safepoints``): one shared-memory
+read each, and ``StepPreempted`` when the step must be abandoned. On a GPU each
+safepoint also bounds how far the host runs ahead of the device
+(``safepoint_runahead`` in ``kv_connector_extra_config``, default 1), or the
+host would pass every safepoint long before the GPU reached it. The
+scheduler-side half numbers the steps so that a stale abort flag can never
+stop a later step.
 
 Enable it with
 ``--kv-transfer-config '{"kv_connector": "CoServeConnector",
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,9 +41,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from coserve.engine.kv_metrics import CoServeKVPromMetrics, CoServeKVStats
+from coserve.engine.layer_safepoints import (
+    DEFAULT_RUNAHEAD,
+    CudaEvents,
+    LayerSafepoints,
+    RunAheadBound,
+    StepPreempted,
+)
 from coserve.engine.offload import OffloadPlanner, OffloadWorker, StepPlan, model_salt
 from coserve.engine.safepoint import SafepointBoard, board_name
-from coserve.engine.tp_sync import SafepointAgreement
 from coserve.kv.config import KVSettings, parse_kv_settings
 
 if TYPE_CHECKING:
@@ -62,15 +71,6 @@ if TYPE_CHECKING:
 __all__ = ["CoServeConnector", "CoServeConnectorMetadata", "StepPreempted"]
 
 logger = logging.getLogger("coserve.engine.connector")
-
-
-class StepPreempted(RuntimeError):
-    """Raised at a layer boundary to abandon the running step; caught by the coserve worker."""
-
-    def __init__(self, step_id: int, layer_name: str) -> None:
-        super().__init__(f"step {step_id} preempted before {layer_name}")
-        self.step_id = step_id
-        self.layer_name = layer_name
 
 
 @dataclass
@@ -95,16 +95,20 @@ class CoServeConnector(KVConnectorBase_V1):
         if not isinstance(safepoints, bool):
             raise ValueError(f"kv_connector_extra_config.safepoints: must be true or false, got {safepoints!r}")
         self.safepoints = safepoints
+        runahead = extra.get("safepoint_runahead", DEFAULT_RUNAHEAD)
+        if isinstance(runahead, bool) or not isinstance(runahead, int) or runahead < 0:
+            raise ValueError(
+                f"kv_connector_extra_config.safepoint_runahead: must be a whole number of safepoints >= 0, "
+                f"got {runahead!r}"
+            )
         self.board_name = board_name(str(self._kv_transfer_config.engine_id))
         self._next_step_id = 0
         self._board: SafepointBoard | None = None
         self.scheduler_board: SafepointBoard | None = None  # set by the TDGScheduler that creates it
-        self._step_id = -1
-        self._checking = False  # whether this step's safepoints run (worker side)
-        self._index = 0  # the next safepoint's index in the step: 2 per layer, before and after attention
-        self._agreement: SafepointAgreement | None = None  # resolved at the first safepoint, on every rank
-        self._safepoint_s = 0.0  # time in safepoints (checks and the TP agreement) since the last stats
-        self._safepoint_steps = 0
+        # Worker side. On a GPU the host runs ahead of the device; bound it (on a CPU, where the host is the
+        # device, there is nothing to bound).
+        bound = RunAheadBound(runahead, CudaEvents) if role == KVConnectorRole.WORKER and _on_cuda() else None
+        self._safepoints = LayerSafepoints(bound)
         self.kv_settings: KVSettings = parse_kv_settings(extra)
         role_name = str(self._kv_transfer_config.kv_role)
         self._produce = role_name in ("kv_producer", "kv_both")
@@ -241,13 +245,9 @@ class CoServeConnector(KVConnectorBase_V1):
         """Called by the model runner before each forward: remember which step is running, start its loads."""
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, CoServeConnectorMetadata):
-            self._step_id = connector_metadata.step_id
-            self._checking = connector_metadata.safepoints
-            self._index = 0
             if self._board is None and connector_metadata.safepoints:
                 self._board = SafepointBoard.attach(connector_metadata.board)
-            if self._checking and self._board is not None:
-                self._safepoint_steps += 1
+            self._safepoints.begin(connector_metadata.step_id, self._board, connector_metadata.safepoints)
             if self.kv_worker is not None:
                 self.kv_worker.begin(connector_metadata.kv)
 
@@ -256,7 +256,7 @@ class CoServeConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The safepoint, called by vLLM before every attention layer of every step; then the layer's reload."""
-        self._safepoint(layer_name)
+        self._safepoints.check(layer_name)
         if self.kv_worker is not None:
             self.kv_worker.wait_layer(layer_name)
 
@@ -265,21 +265,7 @@ class CoServeConnector(KVConnectorBase_V1):
         (attention or MLP) instead of a whole one."""
         if self.kv_worker is not None:
             self.kv_worker.save_layer(layer_name)
-        self._safepoint(layer_name)
-
-    def _safepoint(self, layer_name: str) -> None:
-        board = self._board
-        if board is None or not self._checking:
-            return
-        if self._agreement is None:
-            self._agreement = SafepointAgreement.resolve()
-        started = time.perf_counter()
-        index = self._index
-        self._index += 1
-        abort = self._agreement.should_leave(board, self._step_id, index)
-        self._safepoint_s += time.perf_counter() - started
-        if abort:
-            raise StepPreempted(self._step_id, layer_name)
+        self._safepoints.check(layer_name)
 
     def wait_for_save(self) -> None:
         """End of the forward: start the step's copy-outs (the next forward waits for them)."""
@@ -289,9 +275,9 @@ class CoServeConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Called by the model runner after each step: this worker's copy and safepoint counters since the last call."""
         data = (self.kv_worker.take_stats() if self.kv_worker is not None else None) or {}
-        if self._safepoint_steps:
-            data = {**data, "safepoint_s": self._safepoint_s, "safepoint_steps": self._safepoint_steps}
-            self._safepoint_s, self._safepoint_steps = 0.0, 0
+        seconds, steps = self._safepoints.take_stats()
+        if steps:
+            data = {**data, "safepoint_s": seconds, "safepoint_steps": steps}
         return CoServeKVStats(data=data) if data else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -307,6 +293,13 @@ class CoServeConnector(KVConnectorBase_V1):
     @property
     def board(self) -> SafepointBoard | None:
         return self._board
+
+
+def _on_cuda() -> bool:
+    """Whether this worker's device runs asynchronously from its host (CUDA or ROCm)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda_alike())
 
 
 # --- finding coserve's connector wherever vLLM put it ----------------------------------------------

@@ -37,7 +37,7 @@ _KNOWN = {
     "handoff_max_bytes",
 }
 # Keys the connector shares with others in the same extra config (not KV offload settings).
-_OTHERS = {"safepoints", "coserve_config"}
+_OTHERS = {"safepoints", "safepoint_runahead", "coserve_config"}
 _PREFIX = "kv_connector_extra_config"
 
 

@@ -1,0 +1,300 @@
+"""The GPU check that runs where a GPU is lent: coserve's own safepoint code on plain PyTorch, no vLLM.
+
+The machine a session is lent has PyTorch with CUDA and nothing of the serving stack: ``check.sh``
+(vLLM's engines) cannot run there. This check drives the worker's real safepoint object
+(``coserve.engine.layer_safepoints.LayerSafepoints``, with the real shared-memory ``SafepointBoard``,
+CUDA events for the run-ahead bound and the TP agreement's single-rank path, as ``CoServeConnector``
+builds them on a GPU) from a Llama-3.1-8B-shaped model: 32 layers, hidden 4096, 32 query and 8 KV
+heads of 128, MLP 14336, random bf16 weights, cuBLAS GEMMs and SDPA attention, with a safepoint before
+and after each attention as vLLM calls the connector. The step is an offline prefill of 8 × 2048
+tokens (16,384), eager, as vLLM runs steps larger than its CUDA-graph sizes.
+
+What it writes (``--out``, default ``benchmarks/results``):
+
+- ``torch_preemption_latency_cuda``: an urgent abort raised from another thread at a uniformly random
+  moment of the step; exit = until the GPU is idle; in ms and in layers (the step's time / 32). Arms:
+  the bounded check (K = 1, coserve's default), and the host-only check (no bound: what the connector did
+  before) as the baseline. Target: p99 ≤ 1.5 layers with the bound.
+- ``torch_safepoint_overhead_cuda``: step throughput with the bounded checks on vs no checks, in
+  interleaved ABBA pairs until the 95 % interval's half-width is under 0.25 % or the time budget ends.
+  Target: upper bound ≤ 0.5 %.
+
+``--smoke`` runs the same code on a CPU with a 4-layer model and a handful of trials (CI runs it): the
+figures mean nothing there, the plumbing is what it checks. Run on a GPU machine from the project root:
+
+    COSERVE_COMMIT=$(git rev-parse HEAD) python benchmarks/gpu/torch_check.py --out DIR
+
+(``PYTHONPATH`` is set by the script itself: it needs only ``src/`` and ``benchmarks/`` of a checkout.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
+
+from _stats import PairedOverhead, finite, percentile, reportable_percentile, say  # noqa: E402
+from freshness import stamp  # noqa: E402
+
+from coserve.engine.layer_safepoints import (  # noqa: E402
+    DEFAULT_RUNAHEAD,
+    CudaEvents,
+    LayerSafepoints,
+    RunAheadBound,
+    StepPreempted,
+)
+from coserve.engine.safepoint import SafepointBoard  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 32
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    mlp: int = 14336
+    batch: int = 8  # sequences in the step
+    tokens: int = 2048  # tokens per sequence
+
+
+SMOKE = Shape(layers=4, hidden=128, heads=4, kv_heads=2, head_dim=32, mlp=256, batch=2, tokens=64)
+
+
+class Model:
+    """A Llama-shaped decoder stack; ``forward`` calls ``safepoints.check`` where vLLM calls the connector."""
+
+    def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype) -> None:
+        self.shape = shape
+        generator = torch.Generator(device=device).manual_seed(0)
+        qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+
+        def weight(rows: int, cols: int) -> torch.Tensor:
+            return torch.randn(rows, cols, device=device, dtype=dtype, generator=generator) * 0.02
+
+        self.layers = [
+            (
+                weight(shape.hidden, qkv),
+                weight(shape.heads * shape.head_dim, shape.hidden),
+                weight(shape.hidden, 2 * shape.mlp),
+                weight(shape.mlp, shape.hidden),
+            )
+            for _ in range(shape.layers)
+        ]
+
+    def forward(self, x: torch.Tensor, safepoints: LayerSafepoints | None) -> torch.Tensor:
+        s = self.shape
+        batch, tokens, _ = x.shape
+        for index, (w_qkv, w_o, w_gate_up, w_down) in enumerate(self.layers):
+            qkv = F.rms_norm(x, (s.hidden,)) @ w_qkv
+            q, k, v = qkv.split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
+            q = q.view(batch, tokens, s.heads, s.head_dim).transpose(1, 2)
+            k = k.view(batch, tokens, s.kv_heads, s.head_dim).transpose(1, 2)
+            v = v.view(batch, tokens, s.kv_heads, s.head_dim).transpose(1, 2)
+            if safepoints is not None:
+                safepoints.check(f"layers.{index}")  # wait_for_layer_load: before attention
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if safepoints is not None:
+                safepoints.check(f"layers.{index}")  # save_kv_layer: after attention
+            x = x + attention.transpose(1, 2).reshape(batch, tokens, -1) @ w_o
+            gate, up = (F.rms_norm(x, (s.hidden,)) @ w_gate_up).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ w_down
+        return x
+
+
+class HostEvents:
+    """On a CPU the host is the device: recording and waiting are no-ops (the smoke run's stand-in)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def record(self, slot: int) -> None:
+        return None
+
+    def wait(self, slot: int) -> None:
+        return None
+
+    def capturing(self) -> bool:
+        return False
+
+
+class Check:
+    """One model, one board, one input; runs steps with each arm's safepoints."""
+
+    def __init__(self, shape: Shape, device: torch.device) -> None:
+        self.device = device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.model = Model(shape, device, dtype)
+        self.x = torch.randn(shape.batch, shape.tokens, shape.hidden, device=device, dtype=dtype) * 0.1
+        self.board = SafepointBoard.create(f"coserve-sp-torchcheck{id(self) % 100000}")
+        self.step_id = 0
+        events = CudaEvents if device.type == "cuda" else HostEvents
+        # one LayerSafepoints per arm, each made once, as a worker makes its own at start-up
+        self.arms: dict[str, LayerSafepoints | None] = {
+            "bounded": LayerSafepoints(RunAheadBound(DEFAULT_RUNAHEAD, events)),
+            "host": LayerSafepoints(None),
+            "off": None,
+        }
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, arm: str, abort_after_s: float | None = None) -> tuple[float, bool, float | None]:
+        """One step: (its seconds, whether it was preempted, seconds from the abort until the device was idle)."""
+        self.step_id += 1
+        step_id = self.step_id
+        safepoints = self.arms[arm]
+        if safepoints is not None:
+            safepoints.begin(step_id, self.board, checking=True)
+        raised: list[float] = []
+
+        def abort() -> None:
+            raised.append(time.perf_counter())
+            self.board.request_abort(step_id)
+
+        timer = threading.Timer(abort_after_s, abort) if abort_after_s is not None else None
+        self.sync()
+        started = time.perf_counter()
+        if timer is not None:
+            timer.start()
+        preempted = False
+        try:
+            with torch.inference_mode():
+                self.model.forward(self.x, safepoints)
+        except StepPreempted:
+            preempted = True
+        self.sync()
+        ended = time.perf_counter()
+        if timer is not None:
+            timer.join()
+        exit_s = ended - raised[0] if raised and raised[0] <= ended else None
+        return ended - started, preempted, exit_s
+
+    def close(self) -> None:
+        self.board.close()
+
+
+def exit_arm(check: Check, arm: str, trials: int, step_s: float, layer_s: float, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    exits: list[float] = []
+    preempted = 0
+    for trial in range(trials):
+        _, left, exit_s = check.step(arm, rng.uniform(0.02, 0.9) * step_s)
+        if exit_s is None:
+            continue  # the abort came after the step had ended: nothing to preempt
+        exits.append(exit_s)
+        preempted += left
+        if (trial + 1) % 50 == 0:
+            say(f"[{arm}] {trial + 1}/{trials} aborts, {preempted} preempted")
+    layers = [e / layer_s for e in exits]
+    return {
+        "arm": arm,
+        "aborts": len(exits),
+        "preempted": preempted,
+        "exit_ms_p50": percentile(exits, 50) * 1e3 if exits else None,
+        "exit_ms_p99": (p99 * 1e3) if (p99 := reportable_percentile(exits, 99)) is not None else None,
+        "exit_layers_p50": percentile(layers, 50) if layers else None,
+        "exit_layers_p99": reportable_percentile(layers, 99),
+        "exit_layers_worst": max(layers, default=None),
+        "exit_ms": [e * 1e3 for e in exits],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a 4-layer model on the CPU, a few trials")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--trials", type=int, default=None, help="aborts in the bounded arm (default 240)")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stop the overhead pairs by then")
+    args = parser.parse_args(argv)
+    began = time.monotonic()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("torch_check: no CUDA device here (use --smoke on a CPU)")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    shape = SMOKE if args.smoke else Shape()
+    trials = args.trials or (6 if args.smoke else 240)
+    facts = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke: no figure counts)",
+        "torch": torch.__version__,
+        "shape": asdict(shape),
+        "step_tokens": shape.batch * shape.tokens,
+        "runahead_k": DEFAULT_RUNAHEAD,
+        "vllm": "none: coserve's LayerSafepoints driven by a plain-PyTorch model (see the script's docstring)",
+    }
+    say(f"building the {shape.layers}-layer model on {facts['device']}")
+    check = Check(shape, device)
+    try:
+        for _ in range(3):  # warm-up: cuBLAS heuristics, SDPA kernels, the events' first use
+            for arm in check.arms:
+                check.step(arm)
+        step_s = percentile([check.step("off")[0] for _ in range(5)], 50)
+        layer_s = step_s / shape.layers
+        say(f"a {facts['step_tokens']}-token step takes {step_s * 1e3:.1f} ms ({layer_s * 1e3:.2f} ms per layer)")
+
+        bounded = exit_arm(check, "bounded", trials, step_s, layer_s, seed=1)
+        host = exit_arm(check, "host", max(trials // 10, 6 if args.smoke else 24), step_s, layer_s, seed=2)
+        p99 = bounded["exit_layers_p99"]
+        every_abort_preempted = bounded["preempted"] == bounded["aborts"]
+        latency = {
+            "benchmark": "torch_preemption_latency_cuda",
+            "target": "p99 exit <= 1.5 layers on a 16k-token offline prefill step, with the bounded check (K = 1)",
+            "met": bool(not args.smoke and p99 is not None and p99 <= 1.5 and every_abort_preempted),
+            "step_ms": step_s * 1e3,
+            "layer_ms": layer_s * 1e3,
+            "coserve": bounded,
+            "baseline": host,
+            "setup": facts,
+        }
+        write(args.out, latency)
+        say(f"bounded: {bounded['preempted']}/{bounded['aborts']} preempted, p99 {p99} layers; "
+            f"host only: {host['preempted']}/{host['aborts']} preempted")  # fmt: skip
+
+        remaining = args.budget_s - (time.monotonic() - began)
+        max_pairs = 4 if args.smoke else max(8, min(200, int(remaining / (2.2 * step_s))))
+
+        def throughput(treatment: bool) -> float:
+            return 1.0 / check.step("bounded" if treatment else "off")[0]
+
+        overhead = PairedOverhead(target=0.0025, min_pairs=min(30, max_pairs), max_pairs=max_pairs).run(
+            throughput, "overhead"
+        )
+        summary = overhead.summary()
+        document = {
+            "benchmark": "torch_safepoint_overhead_cuda",
+            "target": "throughput loss of the bounded checks (K = 1) vs none: 95 % upper bound <= 0.5 %",
+            "met": bool(not args.smoke and summary["loss_ci95"][1] <= 0.005),
+            "step_ms": step_s * 1e3,
+            "overhead": summary,
+            "setup": facts,
+        }
+        write(args.out, document)
+        low, high = summary["loss_ci95"]
+        say(f"overhead {summary['loss_mean']:+.3%} [{low:+.3%}, {high:+.3%}] over {summary['n']} pairs")
+    finally:
+        check.close()
+    return 0
+
+
+def write(folder: Path, document: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    stamped = {**document, **stamp(document["benchmark"])}
+    path = folder / f"{document['benchmark']}.json"
+    path.write_text(json.dumps(finite(stamped), indent=2, allow_nan=False) + "\n")
+    say(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
