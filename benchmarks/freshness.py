@@ -4,8 +4,8 @@ A result is stamped, when ``_harness.write_result`` writes it, with a fingerprin
 measured path. The measured path of a result is the set of roots ``measured_paths.MEASURED`` lists for it
 (its script, and the modules vLLM loads by name in the engines it starts), followed through every in-repo
 module they import. A Python file's fingerprint hashes its syntax tree with
-docstrings removed, printed back as source (``ast.unparse``), so comments, docstrings and formatting
-change nothing while any code change does; any other file is hashed byte for byte.
+docstrings removed (the same on every supported Python), so comments, docstrings and formatting change
+nothing while any code change does; any other file is hashed byte for byte.
 
 A result is fresh when every file on its measured path, as the checkout has it now, has the fingerprint
 the result recorded. Nothing here reads git history: a shallow clone, a squash merge or a rebase keeps
@@ -44,7 +44,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 # What the stamping reads but no result measures: which roots a result has, and this file.
 NOT_MEASURED = frozenset({"benchmarks/measured_paths.py", "benchmarks/freshness.py"})
-SCHEME = "ast-unparse-1"  # how fingerprints are computed; a result stamped by another scheme is stale
+SCHEME = "ast-2"  # how fingerprints are computed; a result stamped by another scheme is stale
 
 # Where a module name is looked up, in this order: the installed package's source, then the repository's
 # root (``benchmarks.x``, ``tests.y``); a file's own folder comes first for the scripts' neighbours.
@@ -85,21 +85,35 @@ def fingerprint(path: str, content: bytes) -> str:
         except SyntaxError:
             pass  # hashed as bytes: any edit to a file that does not parse counts
         else:
-            content = ast.unparse(_without_docstrings(tree)).encode()
+            content = repr(_canonical(_without_docstrings(tree))).encode()
     return hashlib.sha256(content).hexdigest()[:16]
+
+
+def _canonical(node: object) -> object:
+    """The tree as nested tuples of node names and the fields that hold something.
+
+    Neither ``ast.dump`` nor ``ast.unparse`` reads the same on every Python this project supports: 3.12
+    added fields that are empty in this code (``type_params``) and prints f-strings otherwise. Leaving out
+    empty fields makes the tree of the same source read the same on 3.11, 3.12 and 3.13 (and so does
+    leaving out the empty pieces some 3.12 releases put in f-strings).
+    """
+    if isinstance(node, ast.JoinedStr):
+        node = ast.JoinedStr([v for v in node.values if not (isinstance(v, ast.Constant) and v.value == "")])
+    if isinstance(node, ast.AST):
+        fields = ((name, getattr(node, name, None)) for name in node._fields)
+        return (type(node).__name__, *((name, _canonical(value)) for name, value in fields if value not in (None, [])))
+    if isinstance(node, list):
+        return tuple(_canonical(item) for item in node)
+    return (type(node).__name__, node)
 
 
 def _without_docstrings(tree: ast.Module) -> ast.Module:
     for node in ast.walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-            body = node.body
-            first = body[0] if body else None
-            if (
-                isinstance(first, ast.Expr)
-                and isinstance(first.value, ast.Constant)
-                and isinstance(first.value.value, str)
-            ):
-                node.body = body[1:] or [ast.Pass()]
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    node.body = node.body[1:] or [ast.Pass()]
     return tree
 
 
