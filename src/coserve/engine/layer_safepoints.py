@@ -160,4 +160,4 @@ class LayerSafepoints:
             return self._resolve_agreement()
         from coserve.engine.tp_sync import SafepointAgreement
 
-        return SafepointAgreement.resolve()
+        return SafepointAgreement.resolve(self.bound.k if self.bound is not None else 0)

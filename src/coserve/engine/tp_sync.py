@@ -10,15 +10,24 @@ Two ways to agree, chosen once per worker (``SafepointAgreement.resolve``):
 
 ``shared`` (all ranks on one node, the usual case)
     No collective at all. The leader (the group's first rank) alone reads the
-    abort flag; when it is up, it writes *where* every rank leaves: the first
-    safepoint after the next collective, which is the next layer's
-    before-attention safepoint (``abort_target``). Tensor parallelism puts a
-    blocking all-reduce after every attention (the row-parallel output
-    projection), between an odd safepoint and the next even one, and no rank
-    can pass it before the leader arrives there, so no rank has passed the
-    target when the leader writes it, and every rank reads it there. The cost
-    is one 8-byte read per safepoint; a preemption lands up to one layer
-    later than with one rank.
+    abort flag; when it is up, it writes *where* every rank leaves
+    (``abort_target``), and every rank leaves exactly there. The target must
+    lie beyond every safepoint any follower's host may already have checked.
+    Tensor parallelism puts an all-reduce after every attention (the
+    row-parallel output projection), between an odd safepoint and the next
+    even one, and no rank's *device* passes it before every rank's device
+    reaches it; so when the leader is at safepoint i, no follower's device is
+    past i's next all-reduce. On a CPU (gloo) the all-reduce also blocks the
+    host, and the next even safepoint is far enough. On a GPU it does not
+    (NCCL and vLLM's custom all-reduce return at once); there each rank's host
+    is kept at most K safepoints ahead of its own device (the run-ahead bound,
+    ``coserve.engine.layer_safepoints``), so a follower's host is at most K
+    safepoints further, and the target moves K safepoints on. A rank leaves
+    only at the agreed target, so every rank queues the same collectives and
+    none waits in one that another will never join. The cost is one 8-byte
+    read per safepoint; a preemption lands up to 1 + K/2 layers later than
+    with one rank. ``tests/engine/test_tp_sync.py`` checks this against a model
+    of ranks whose devices lag their hosts at random.
 ``broadcast`` (ranks on several nodes, where shared memory cannot reach)
     The leader's view is broadcast over the TP group's CPU (gloo) group at
     every safepoint, as ConServe does with ncclBroadcast: one collective per
@@ -46,9 +55,10 @@ logger = logging.getLogger(__name__)
 Mode = Literal["single", "shared", "broadcast"]
 
 
-def abort_target(index: int) -> int:
-    """Where every rank leaves when the leader sees the abort at safepoint ``index``: the next even one."""
-    return (index // 2 + 1) * 2
+def abort_target(index: int, runahead: int = 0) -> int:
+    """Where every rank leaves when the leader sees the abort at safepoint ``index``: the next even one,
+    plus the ``runahead`` safepoints a host may be ahead of its device (0 where collectives block the host)."""
+    return (index // 2 + 1) * 2 + runahead
 
 
 def broadcast_flag(flag: bool, group: dist.ProcessGroup | None, src: int) -> bool:
@@ -66,9 +76,10 @@ class SafepointAgreement:
     leader: bool = True
     group: dist.ProcessGroup | None = None
     src: int = 0
+    runahead: int = 0  # how many safepoints a host may be ahead of its device (the run-ahead bound's K)
 
     @classmethod
-    def resolve(cls) -> SafepointAgreement:
+    def resolve(cls, runahead: int = 0) -> SafepointAgreement:
         """This worker's mode, from vLLM's TP group; called once, at a safepoint all ranks reach together."""
         try:
             from vllm.distributed.parallel_state import get_tp_group, in_the_same_node_as
@@ -82,7 +93,7 @@ class SafepointAgreement:
             return cls("single")
         leader = group.rank_in_group == 0
         if all(in_the_same_node_as(group.cpu_group, source_rank=group.ranks[0])):
-            return cls("shared", leader=leader)
+            return cls("shared", leader=leader, runahead=runahead)
         logger.info("coserve: TP ranks span nodes; safepoints agree by a broadcast per safepoint")
         return cls("broadcast", leader=leader, group=group.cpu_group, src=group.ranks[0])
 
@@ -93,5 +104,5 @@ class SafepointAgreement:
         if self.mode == "broadcast":
             return broadcast_flag(self.leader and board.abort_requested(step_id), self.group, self.src)
         if self.leader and board.agreed_step() != step_id and board.abort_requested(step_id):
-            board.agree_exit(step_id, abort_target(index))
+            board.agree_exit(step_id, abort_target(index, self.runahead))
         return board.agreed_exit() == (step_id, index)
