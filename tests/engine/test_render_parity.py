@@ -20,7 +20,10 @@ Substituted, because it cannot exist on this machine (and nothing else):
   the real one when it creates the Secret). Requests that stand for the router's carry it, as the router does.
 
 Added for the CPU backend, as ENVIRONMENT.md prescribes: ``HF_HUB_OFFLINE=1``,
-``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_CPU_CI_ENV=1`` (eager execution).
+``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_CPU_CI_ENV=1`` (eager execution); and ``--dtype float32``, as every
+other engine test runs: vLLM casts a float32 model to bfloat16 on CPUs, and on CPUs with AMX its bfloat16
+kernels give a request batched with others different tokens from the same request alone, with no step
+abandoned at all, which would hide what the rollback does.
 
 A second test checks that every flag any example renders for any engine role is
 one these launches pass to vLLM, so no rendered flag goes unlaunched.
@@ -153,7 +156,8 @@ class RenderedEngine:
             elif flag == "--kv-transfer-config":
                 value = json.dumps(self._cpu_connectors(json.loads(value or "{}")))
             out += [flag] if value is None else [flag, self._local(value)]
-        return [*out, "--host", "127.0.0.1"]
+        assert "--dtype" not in out, "the rendering sets a dtype: substitute it instead of adding one"
+        return [*out, "--host", "127.0.0.1", "--dtype", "float32"]
 
     def _cpu_connectors(self, transfer: dict[str, Any]) -> dict[str, Any]:
         children = (transfer.get("kv_connector_extra_config") or {}).get("connectors")
