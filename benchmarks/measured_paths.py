@@ -54,4 +54,5 @@ MEASURED: dict[str, tuple[str, ...]] = {
     # the plain-PyTorch GPU check: coserve's safepoint objects without vLLM
     "torch_preemption_latency_cuda": ("benchmarks/gpu/torch_check.py",),
     "torch_safepoint_overhead_cuda": ("benchmarks/gpu/torch_check.py",),
+    "torch_decode_graphs_cuda": ("benchmarks/gpu/torch_check.py",),
 }

@@ -19,6 +19,11 @@ What it writes (``--out``, default ``benchmarks/results``):
   interleaved ABBA pairs until the 95 % interval's half-width is under 0.25 % or the time budget ends.
   Target: upper bound ≤ 0.5 %.
 
+- ``torch_decode_graphs_cuda``: a uniform decode step (1 to 256 requests at 2k of context) replayed
+  as one full CUDA graph, with no safepoint, and as one graph per half-layer with the bounded safepoints
+  between them (what vLLM's piecewise graphs cost a decode step), medians of interleaved rounds. It
+  backs the choice to let vLLM run uniform decode steps as full graphs (``FULL_AND_PIECEWISE``).
+
 ``--smoke`` runs the same code on a CPU with a 4-layer model and a handful of trials (CI runs it): the
 figures mean nothing there, the plumbing is what it checks. Run on a GPU machine from the project root:
 
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import threading
 import time
@@ -217,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a 4-layer model on the CPU, a few trials")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--only", choices=["prefill", "decode"], help="one part (default: both)")
     parser.add_argument("--trials", type=int, default=None, help="aborts in the bounded arm (default 240)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop the overhead pairs by then")
     args = parser.parse_args(argv)
@@ -225,67 +232,188 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("torch_check: no CUDA device here (use --smoke on a CPU)")
     device = torch.device("cpu" if args.smoke else "cuda")
     shape = SMOKE if args.smoke else Shape()
-    trials = args.trials or (6 if args.smoke else 240)
     facts = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke: no figure counts)",
         "torch": torch.__version__,
         "shape": asdict(shape),
-        "step_tokens": shape.batch * shape.tokens,
         "runahead_k": DEFAULT_RUNAHEAD,
         "vllm": "none: coserve's LayerSafepoints driven by a plain-PyTorch model (see the script's docstring)",
     }
     say(f"building the {shape.layers}-layer model on {facts['device']}")
     check = Check(shape, device)
     try:
-        for _ in range(3):  # warm-up: cuBLAS heuristics, SDPA kernels, the events' first use
-            for arm in check.arms:
-                check.step(arm)
-        step_s = percentile([check.step("off")[0] for _ in range(5)], 50)
-        layer_s = step_s / shape.layers
-        say(f"a {facts['step_tokens']}-token step takes {step_s * 1e3:.1f} ms ({layer_s * 1e3:.2f} ms per layer)")
-
-        bounded = exit_arm(check, "bounded", trials, step_s, layer_s, seed=1)
-        host = exit_arm(check, "host", max(trials // 10, 6 if args.smoke else 24), step_s, layer_s, seed=2)
-        p99 = bounded["exit_layers_p99"]
-        every_abort_preempted = bounded["preempted"] == bounded["aborts"]
-        latency = {
-            "benchmark": "torch_preemption_latency_cuda",
-            "target": "p99 exit <= 1.5 layers on a 16k-token offline prefill step, with the bounded check (K = 1)",
-            "met": bool(not args.smoke and p99 is not None and p99 <= 1.5 and every_abort_preempted),
-            "step_ms": step_s * 1e3,
-            "layer_ms": layer_s * 1e3,
-            "coserve": bounded,
-            "baseline": host,
-            "setup": facts,
-        }
-        write(args.out, latency)
-        say(f"bounded: {bounded['preempted']}/{bounded['aborts']} preempted, p99 {p99} layers; "
-            f"host only: {host['preempted']}/{host['aborts']} preempted")  # fmt: skip
-
-        remaining = args.budget_s - (time.monotonic() - began)
-        max_pairs = 4 if args.smoke else max(8, min(200, int(remaining / (2.2 * step_s))))
-
-        def throughput(treatment: bool) -> float:
-            return 1.0 / check.step("bounded" if treatment else "off")[0]
-
-        overhead = PairedOverhead(target=0.0025, min_pairs=min(30, max_pairs), max_pairs=max_pairs).run(
-            throughput, "overhead"
-        )
-        summary = overhead.summary()
-        document = {
-            "benchmark": "torch_safepoint_overhead_cuda",
-            "target": "throughput loss of the bounded checks (K = 1) vs none: 95 % upper bound <= 0.5 %",
-            "met": bool(not args.smoke and summary["loss_ci95"][1] <= 0.005),
-            "step_ms": step_s * 1e3,
-            "overhead": summary,
-            "setup": facts,
-        }
-        write(args.out, document)
-        low, high = summary["loss_ci95"]
-        say(f"overhead {summary['loss_mean']:+.3%} [{low:+.3%}, {high:+.3%}] over {summary['n']} pairs")
+        if args.only in (None, "prefill"):
+            prefill(check, args, facts, began)
+        if args.only in (None, "decode"):
+            decode(check, args, facts)
     finally:
         check.close()
     return 0
+
+
+def prefill(check: Check, args: argparse.Namespace, facts: dict[str, Any], began: float) -> None:
+    """The offline prefill step: exits after an abort, and the bounded checks' cost."""
+    shape = check.model.shape
+    trials = args.trials or (6 if args.smoke else 240)
+    facts = {**facts, "step_tokens": shape.batch * shape.tokens}
+    for _ in range(3):  # warm-up: cuBLAS heuristics, SDPA kernels, the events' first use
+        for arm in check.arms:
+            check.step(arm)
+    step_s = percentile([check.step("off")[0] for _ in range(5)], 50)
+    layer_s = step_s / shape.layers
+    say(f"a {facts['step_tokens']}-token step takes {step_s * 1e3:.1f} ms ({layer_s * 1e3:.2f} ms per layer)")
+
+    bounded = exit_arm(check, "bounded", trials, step_s, layer_s, seed=1)
+    host = exit_arm(check, "host", max(trials // 10, 6 if args.smoke else 24), step_s, layer_s, seed=2)
+    p99 = bounded["exit_layers_p99"]
+    every_abort_preempted = bounded["preempted"] == bounded["aborts"]
+    latency = {
+        "benchmark": "torch_preemption_latency_cuda",
+        "target": "p99 exit <= 1.5 layers on a 16k-token offline prefill step, with the bounded check (K = 1)",
+        "met": bool(not args.smoke and p99 is not None and p99 <= 1.5 and every_abort_preempted),
+        "step_ms": step_s * 1e3,
+        "layer_ms": layer_s * 1e3,
+        "coserve": bounded,
+        "baseline": host,
+        "setup": facts,
+    }
+    write(args.out, latency)
+    say(f"bounded: {bounded['preempted']}/{bounded['aborts']} preempted, p99 {p99} layers; "
+        f"host only: {host['preempted']}/{host['aborts']} preempted")  # fmt: skip
+
+    remaining = args.budget_s - (time.monotonic() - began)
+    max_pairs = 4 if args.smoke else max(8, min(200, int(remaining / (2.2 * step_s))))
+
+    def throughput(treatment: bool) -> float:
+        return 1.0 / check.step("bounded" if treatment else "off")[0]
+
+    overhead = PairedOverhead(target=0.0025, min_pairs=min(30, max_pairs), max_pairs=max_pairs).run(
+        throughput, "overhead"
+    )
+    summary = overhead.summary()
+    document = {
+        "benchmark": "torch_safepoint_overhead_cuda",
+        "target": "throughput loss of the bounded checks (K = 1) vs none: 95 % upper bound <= 0.5 %",
+        "met": bool(not args.smoke and summary["loss_ci95"][1] <= 0.005),
+        "step_ms": step_s * 1e3,
+        "overhead": summary,
+        "setup": facts,
+    }
+    write(args.out, document)
+    low, high = summary["loss_ci95"]
+    say(f"overhead {summary['loss_mean']:+.3%} [{low:+.3%}, {high:+.3%}] over {summary['n']} pairs")
+
+
+class DecodeStep:
+    """One uniform decode step (``batch`` requests, one new token each, ``context`` tokens of KV each), as
+    one full CUDA graph or as one graph per half-layer with a safepoint between pieces (what piecewise
+    graphs cost a decode step). The KV is one tensor pair every layer reads, as large as one layer's."""
+
+    def __init__(self, check: Check, batch: int, context: int) -> None:
+        model, s, device = check.model, check.model.shape, check.device
+        dtype = check.x.dtype
+        self.check = check
+        self.model = model
+        self.x = torch.randn(batch, 1, s.hidden, device=device, dtype=dtype) * 0.1
+        self.attention = torch.zeros(batch, 1, s.heads * s.head_dim, device=device, dtype=dtype)
+        self.k = torch.randn(batch, s.kv_heads, context, s.head_dim, device=device, dtype=dtype)
+        self.v = torch.randn(batch, s.kv_heads, context, s.head_dim, device=device, dtype=dtype)
+        halves = [(self._attention, index) for index in range(s.layers)]
+        self.halves = [half for pair in zip(halves, [(self._mlp, i) for i in range(s.layers)], strict=True)
+                       for half in pair]  # fmt: skip
+        self.graphs = check.device.type == "cuda"
+        if self.graphs:
+            self._capture()
+
+    def _attention(self, index: int) -> None:
+        s = self.model.shape
+        w_qkv = self.model.layers[index][0]
+        batch = self.x.shape[0]
+        q = (F.rms_norm(self.x, (s.hidden,)) @ w_qkv)[..., : s.heads * s.head_dim]
+        q = q.view(batch, 1, s.heads, s.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, self.k, self.v, enable_gqa=True)
+        self.attention.copy_(out.transpose(1, 2).reshape(batch, 1, -1))
+
+    def _mlp(self, index: int) -> None:
+        s = self.model.shape
+        _, w_o, w_gate_up, w_down = self.model.layers[index]
+        x = self.x + self.attention @ w_o
+        gate, up = (F.rms_norm(x, (s.hidden,)) @ w_gate_up).chunk(2, dim=-1)
+        self.x.copy_(x + (F.silu(gate) * up) @ w_down)
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):  # warm up on a side stream before capturing, as CUDA graphs require
+                for half, index in self.halves:
+                    half(index)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        self.full = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.full, pool=pool):
+            for half, index in self.halves:
+                half(index)
+        self.pieces = []
+        for half, index in self.halves:
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+                half(index)
+            self.pieces.append(graph)
+
+    def run(self, arm: str) -> float:
+        """One step's seconds: ``full`` (one graph, no safepoint) or ``pieces`` (bounded safepoints between)."""
+        check = self.check
+        check.step_id += 1
+        safepoints = check.arms["bounded"]
+        assert safepoints is not None
+        safepoints.begin(check.step_id, check.board, checking=arm == "pieces")
+        check.sync()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            if arm == "full":
+                if self.graphs:
+                    self.full.replay()
+                else:
+                    for half, index in self.halves:
+                        half(index)
+            else:
+                for number, (half, index) in enumerate(self.halves):
+                    safepoints.check(f"layers.{index}")
+                    if self.graphs:
+                        self.pieces[number].replay()
+                    else:
+                        half(index)
+        check.sync()
+        return time.perf_counter() - started
+
+
+def decode(check: Check, args: argparse.Namespace, facts: dict[str, Any]) -> None:
+    """Uniform decode steps as one full graph vs as pieces with safepoints: what FULL_AND_PIECEWISE saves."""
+    context = 64 if args.smoke else 2048
+    rounds = 3 if args.smoke else 30
+    rows = []
+    for batch in (1, 8) if args.smoke else (1, 8, 64, 256):
+        step = DecodeStep(check, batch, context)
+        times: dict[str, list[float]] = {"full": [], "pieces": []}
+        for number in range(rounds):
+            order = ("full", "pieces") if number % 2 == 0 else ("pieces", "full")
+            for arm in order:
+                times[arm].append(statistics.median(step.run(arm) for _ in range(5)))
+        full, pieces = statistics.median(times["full"]), statistics.median(times["pieces"])
+        rows.append({"batch": batch, "context": context, "full_ms": full * 1e3, "pieces_bounded_ms": pieces * 1e3,
+                     "pieces_over_full": pieces / full, "rounds": times})  # fmt: skip
+        say(f"decode batch {batch} x {context}: full graph {full * 1e3:.2f} ms, pieces {pieces / full:.3f}x")
+        del step
+    document = {
+        "benchmark": "torch_decode_graphs_cuda",
+        "target": "a uniform decode step as one full CUDA graph (no safepoints) is faster than as piecewise "
+        "graphs with bounded safepoints at every batch size: decode steps run as full graphs",
+        "met": bool(not args.smoke and all(row["pieces_over_full"] > 1.0 for row in rows)),
+        "decode": rows,
+        "setup": {**facts, "pieces": 2 * check.model.shape.layers, "medians_of": "5 steps per round, rounds ABBA"},
+    }
+    write(args.out, document)
 
 
 def write(folder: Path, document: dict[str, Any]) -> None:

@@ -292,3 +292,5 @@ def test_the_plain_pytorch_gpu_check_runs_its_smoke_mode_on_a_cpu_without_vllm(t
     assert latency["coserve"]["preempted"] == latency["coserve"]["aborts"] > 0  # on a CPU every check preempts
     assert overhead["overhead"]["n"] >= 4
     assert "src/coserve/engine/layer_safepoints.py" in latency["code"]["files"]
+    graphs = json.loads((tmp_path / "torch_decode_graphs_cuda.json").read_text())
+    assert graphs["met"] is False and [row["batch"] for row in graphs["decode"]] == [1, 8]

@@ -69,3 +69,16 @@ def test_the_step_metadata_is_found_inside_multiconnector_metadata() -> None:
 )
 def test_the_validator_sees_coserves_connector_in_either_configuration(transfer: object, expected: bool) -> None:
     assert configured(transfer) is expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "piecewise"),
+    [
+        ({"safepoints": True}, False),  # uniform decode as full graphs; prefill steps piecewise, with safepoints
+        ({"safepoints": False}, False),
+        ({"safepoints": True, "host_memory_bytes": 1 << 30}, True),  # per-layer reloads must run in every step
+        ({"safepoints": True, "handoff_backend": "shm"}, True),
+    ],
+)
+def test_only_per_layer_reloads_force_piecewise_cuda_graphs(extra: dict[str, object], piecewise: bool) -> None:
+    assert CoServeConnector.requires_piecewise_for_cudagraph(extra) is piecewise
