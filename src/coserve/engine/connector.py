@@ -235,8 +235,8 @@ class CoServeConnector(KVConnectorBase_V1):
         Safepoints alone do not ask for it. vLLM then keeps its FULL_AND_PIECEWISE mode: a batch with any
         prefill work runs as piecewise graphs split at attention, where the safepoints run; a uniform decode
         batch runs as one full graph, with no safepoint. A decode step lasts 5-23 ms on an H200, less than
-        any urgent request's slack, while splitting it into pieces with the run-ahead bound cost 1-4 % of
-        it (``benchmarks/gpu/torch_check.py``, ``torch_decode_graphs_cuda``). Per-layer KV reloads (the host
+        any urgent request's slack, while splitting it into pieces with the run-ahead bound costs it up to
+        2 % (``benchmarks/gpu/torch_check.py``, ``torch_decode_graphs_cuda``). Per-layer KV reloads (the host
         pool, the shm handoff) do ask for it: a request whose prompt but its last token is reloaded computes
         one token, so its step can be a uniform decode batch, and a full graph would skip the reload.
         """
