@@ -43,6 +43,7 @@ def test_quick_profile_of_the_tiny_model_feeds_coserve_plan(tmp_path: Path) -> N
     assert profiled.returncode == 0, profiled.stderr[-4000:]
     assert profiled.stdout == ""  # progress and vLLM's logs go to stderr
     assert "[10/10] P=" in profiled.stderr and "R² train" in profiled.stderr
+    assert "[decode 3/3] B=" in profiled.stderr  # the batched decode points that identify the attention term
 
     profile = load_profile(out.read_bytes())
     assert profile.model is not None and profile.model.startswith("tiny-llama-4l-256h")
@@ -52,7 +53,7 @@ def test_quick_profile_of_the_tiny_model_feeds_coserve_plan(tmp_path: Path) -> N
     assert profile.prefill_latency is not None and profile.prefill_latency.latency_s(512) > 0
     assert profile.cost_model is not None
     assert {"k1", "k2", "k4", "k5", "r2Train", "r2Holdout", "maxRelativeErrorHoldout"} <= set(profile.cost_model)
-    assert (profile.cost_model["numTrain"], profile.cost_model["numHoldout"]) == (6, 4)
+    assert (profile.cost_model["numTrain"], profile.cost_model["numHoldout"]) == (6 + 1, 4 + 2)
     assert -1.0 <= profile.cost_model["r2Holdout"] <= 1.0
 
     pool = str(EXAMPLES / "pool-autoscaling.yaml")

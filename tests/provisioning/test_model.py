@@ -138,6 +138,40 @@ def test_inline_fields_override_measured_profile() -> None:
     assert "from ConfigMap measured" in plan.explanation[0]
 
 
+def test_a_measured_cost_model_prices_the_decoder_at_its_own_batch_and_context() -> None:
+    """T_d = B / step(B requests at the live context each), from the profile's per-request cost model."""
+    from coserve.api.profile import EngineProfile
+    from coserve.scheduling import StepCostModel
+
+    cost = {"k1": 1.83e-5, "k2": 1.04e-9, "k3": 0.0, "k4": 2.61e-8, "k5": 0.00444}  # the H200 profile
+    measured_fields = {
+        "prefillLatency": {"perTokenS": 1 / 25_000},
+        "decodeThroughputTokensPerS": 1_000.0,
+        "kvCapacityTokens": 960_000,
+    }
+    document = sanity_document()
+    document["spec"]["profile"] = {"configMapRef": {"name": "measured"}}
+    spec = parse_pool(document).spec
+    live = spec.workload.input_tokens + spec.workload.output_tokens
+    slots = 960_000 // live
+    with_model = EngineProfile.model_validate({**measured_fields, "costModel": cost}, strict=False)
+    resolved = resolve_profile(spec, with_model)
+    step_s = StepCostModel.from_dict(cost).step_latency_s([(1, live)] * slots)
+    assert resolved.decode_throughput_tokens_per_s == pytest.approx(slots / step_s, rel=1e-9)
+    assert "costModel" in resolved.source
+    assert any("(profile.costModel)" in line for line in plan_for(spec, with_model).explanation)
+    # without a cost model, the measured figure; set inline, the inline figure wins over both
+    assert (
+        resolve_profile(
+            spec, EngineProfile.model_validate(measured_fields, strict=False)
+        ).decode_throughput_tokens_per_s
+        == 1_000.0
+    )
+    document["spec"]["profile"]["decodeThroughputTokensPerS"] = 700.0
+    inline = resolve_profile(parse_pool(document).spec, with_model)
+    assert inline.decode_throughput_tokens_per_s == 700.0 and inline.decode_basis == ""
+
+
 def test_missing_profile_names_each_field() -> None:
     document = sanity_document()
     document["spec"]["profile"] = {"configMapRef": {"name": "measured"}}

@@ -162,9 +162,14 @@ def measurements(noise: float = 0.0) -> ProfileMeasurements:
         latency = TRUE_STEP.latency_s(*point) * (1 + rng.uniform(-noise, noise))
         return CostSample(point[0], point[1], latency)
 
+    def decode(point: tuple[int, int]) -> CostSample:
+        batch, context = point
+        latency = TRUE_STEP.step_latency_s([(1, context)] * batch) * (1 + rng.uniform(-noise, noise))
+        return CostSample(batch, batch * context, latency, requests=batch)
+
     return ProfileMeasurements(
-        train=tuple(sample(point) for point in grid.train),
-        holdout=tuple(sample(point) for point in grid.holdout),
+        train=tuple(sample(point) for point in grid.train) + tuple(decode(point) for point in grid.decode_train),
+        holdout=tuple(sample(point) for point in grid.holdout) + tuple(decode(pt) for pt in grid.decode_holdout),
         decode_throughput_tokens_per_s=1879.08,
         kv_capacity_tokens=262_144,
         model="tiny-llama-4l-256h",
@@ -181,8 +186,8 @@ def test_profile_survives_a_yaml_round_trip_through_the_parser() -> None:
     assert parsed.kind == "CoServeProfile" and parsed.kv_capacity_tokens == 262_144
     assert parsed.decode_throughput_tokens_per_s == pytest.approx(1879.08)
     assert parsed.cost_model is not None
-    assert parsed.cost_model["numTrain"] == report.num_train == 24
-    assert parsed.cost_model["numHoldout"] == report.num_holdout == 9
+    assert parsed.cost_model["numTrain"] == report.num_train == 24 + 9
+    assert parsed.cost_model["numHoldout"] == report.num_holdout == 9 + 2
     assert parsed.cost_model["r2Holdout"] == pytest.approx(report.r2_holdout, rel=1e-5)
     assert set(parsed.cost_model) == {
         *("k1", "k2", "k3", "k4", "k5"),
@@ -197,6 +202,9 @@ def test_exact_measurements_give_back_the_engine() -> None:
     fitted = StepCostModel.from_dict(profile.cost_model)
     for p, c in itertools.product((16, 300, 1000), (0, 700, 2000)):
         assert fitted.latency_s(p, c) == pytest.approx(TRUE_STEP.latency_s(p, c), rel=1e-4)
+    for batch, c in itertools.product((2, 32, 128), (256, 4096)):
+        pieces = [(1, c)] * batch
+        assert fitted.step_latency_s(pieces) == pytest.approx(TRUE_STEP.step_latency_s(pieces), rel=1e-4)
     # With C = 0 the step model is a quadratic in P: the prefill curve must be that same quadratic.
     assert profile.prefill_latency is not None
     assert profile.prefill_latency.constant_s == pytest.approx(TRUE_STEP.k5, rel=1e-4)
@@ -217,7 +225,8 @@ def test_summary_table_lists_every_held_out_point() -> None:
     _, report = build_profile(data)
     table = summary_table(report, data.holdout)
     lines = table.splitlines()
-    assert lines[0].split() == ["P", "C", "measured", "ms", "predicted", "ms", "error"]
+    assert lines[0].split() == ["B", "P", "C", "measured", "ms", "predicted", "ms", "error"]
     assert len(lines) == 1 + len(data.holdout) + 1
-    assert lines[1].split()[:2] == ["32", "0"]
-    assert lines[-1].startswith("R² train") and "(9 points)" in lines[-1]
+    assert lines[1].split()[:3] == ["1", "32", "0"]
+    assert lines[-2].split()[:3] == ["8", "8", str(8 * 1536)]  # the decode batches come last
+    assert lines[-1].startswith("R² train") and "(11 points)" in lines[-1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coserve.scheduling import SchedRequest, SlideBatching, SlideConfig
+from coserve.scheduling import SchedRequest, SlideBatching, SlideConfig, StepCostModel
 from sched_builders import COST, decoding, make_request
 
 POLICY = SlideBatching(COST, SlideConfig(max_tokens_per_step=512, urgency_factor=2.0, max_wait_s=30.0))
@@ -104,9 +104,32 @@ def test_time_budget_follows_the_tightest_slack_and_bounds_the_tokens() -> None:
     bulk = make_request("bulk", "offline", prompt=5000)
     decision = POLICY.decide([*running, bulk], now_s=0.0)
     assert 0.01 <= decision.time_budget_s < 0.2
-    context = sum(r.num_computed_tokens for r in [*running, bulk])
-    assert COST.latency_s(decision.token_budget, context) <= decision.time_budget_s
-    assert decision.token_budget >= 4  # every urgent decode fits
+    by_id = {r.request_id: r for r in [*running, bulk]}
+    pieces = [(n, by_id[i].num_computed_tokens) for i, n in decision.allowances.items()]
+    assert COST.step_latency_s(pieces) <= decision.time_budget_s
+    assert decision.token_budget == sum(decision.allowances.values())
+    assert decision.allowances["bulk"] > 0 and decision.token_budget >= 4  # every urgent decode fits
+    # the step's token cap binds here (512); below it, one more token of the chunk would not fit
+    grown = [(n + 1, c) if n > 1 else (n, c) for n, c in pieces]
+    assert decision.token_budget == 512 or COST.step_latency_s(grown) > decision.time_budget_s
+
+
+def test_the_token_budget_charges_each_request_for_its_own_context() -> None:
+    """64 decodes at 16k of context leave room for a chunk of prefill: each attends to its own KV only."""
+    model = StepCostModel(k1=1.83e-5, k2=1.04e-9, k3=0.0, k4=2.61e-8, k5=0.00444)  # the H200 profile
+    running = [decoding(f"d{i}", "standard", prompt=16_384, arrival_s=-0.5, output=20) for i in range(64)]
+    bulk = make_request("bulk", "offline", prompt=8000)
+    policy = SlideBatching(model, SlideConfig(max_tokens_per_step=2048, min_step_s=0.05, max_step_s=0.05))
+    decision = policy.decide([*running, bulk], now_s=0.0)
+    assert decision.time_budget_s == 0.05
+    assert all(decision.allowances.get(f"d{i}") == 1 for i in range(64))
+    chunk = decision.allowances.get("bulk", 0)
+    decodes = [(1, r.num_computed_tokens) for r in running]
+    assert model.step_latency_s([*decodes, (chunk, 0)]) <= 0.05 < model.step_latency_s([*decodes, (chunk + 1, 0)])
+    # read over the batch's totals, the same step would have had no room for any prefill at all
+    total_context = sum(r.num_computed_tokens for r in running)
+    assert model.latency_s(64, total_context) > 0.05
+    assert chunk > 500
 
 
 requests_strategy = st.lists(

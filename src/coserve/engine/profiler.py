@@ -1,6 +1,6 @@
 """Measure a real vLLM engine and return its CoServeProfile (the adapter behind ``coserve profile``).
 
-One in-process ``vllm.LLM`` (eager by default, prefix caching on) runs three
+One in-process ``vllm.LLM`` (eager by default, prefix caching on) runs four
 measurements, then ``coserve.scheduling.profile_fit`` does all the arithmetic:
 
 1. Step latency on a (P, C) grid. For C cached context tokens, a C-token prompt
@@ -12,8 +12,11 @@ measurements, then ``coserve.scheduling.profile_fit`` does all the arithmetic:
    and each repeat draws fresh new tokens (a repeat must not hit its own cache).
    The engine's ``num_cached_tokens`` says how much context was really reused;
    that, not the requested C, goes into the sample.
-2. Decode throughput: a batch of concurrent requests that ignore EOS.
-3. KV capacity in tokens, as the engine reports it after start-up.
+2. Decode steps of batches: B requests at c tokens of context each (the grid's
+   decode points), timed as the difference between generating 1 + DECODE_STEPS
+   tokens and 1 token. They identify the per-request attention term.
+3. Decode throughput: a batch of concurrent requests that ignore EOS.
+4. KV capacity in tokens, as the engine reports it after start-up.
 
 Who calls it: ``coserve profile`` (``coserve.cli.main``) and
 ``benchmarks/cost_model.py``, once per process. vLLM starts its engine core in a
@@ -38,7 +41,13 @@ from typing import Any, Literal, TextIO
 
 from coserve.api.profile import EngineProfile
 from coserve.scheduling.cost_model import CostSample, FitReport
-from coserve.scheduling.profile_fit import ProfileGrid, ProfileMeasurements, build_profile, summary_table
+from coserve.scheduling.profile_fit import (
+    DECODE_STEPS,
+    ProfileGrid,
+    ProfileMeasurements,
+    build_profile,
+    summary_table,
+)
 
 __all__ = ["EngineDtype", "ProfileResult", "ProfilerConfig", "default_model_cache", "run_profile"]
 
@@ -112,6 +121,8 @@ def run_profile(config: ProfilerConfig, progress: TextIO | None = None) -> Profi
         steps = _StepTimer(llm, rng, config.repeats)
         steps.warm_up(grid.max_new_tokens)
         train, holdout = _measure_grid(steps, grid, rng, say)
+        decode_train, decode_holdout = _measure_decode_grid(steps, grid, rng, say)
+        train, holdout = train + decode_train, holdout + decode_holdout
         decode_tokens_per_s = _decode_throughput(llm, steps.random_ids, config)
         say(
             f"decode: {config.decode_requests} requests x {config.decode_output_tokens} tokens, "
@@ -144,6 +155,7 @@ def _engine(config: ProfilerConfig, max_new_tokens: int) -> Iterator[Any]:
         # traceback at start-up; loading the model's tokenizer costs well under a second.
         max_model_len=config.max_model_len,
         max_num_batched_tokens=max(max_new_tokens, config.decode_requests * config.decode_prompt_tokens, 256),
+        max_num_seqs=max(config.decode_requests, config.grid.max_batch, 16),
         enable_prefix_caching=True,
         enforce_eager=config.enforce_eager,
         dtype=config.dtype,
@@ -211,6 +223,33 @@ class _StepTimer:
         total_tokens = new_tokens + context_tokens
         return CostSample(total_tokens - cached_tokens, cached_tokens, statistics.median(latencies_s))
 
+    def measure_decode(self, batch: int, context_tokens: int) -> CostSample:
+        """One decode step of ``batch`` requests at ``context_tokens`` each: the median of ``repeats`` timings.
+
+        The batch's prompts are put in the prefix cache first; then the same prompts generate 1 token and
+        1 + ``DECODE_STEPS`` tokens, and the difference over ``DECODE_STEPS`` is one step of the batch
+        (prefill and the first token cancel out). The context grows during those steps, so the sample's
+        context is the middle of that run.
+        """
+        from vllm import SamplingParams
+
+        prompts = [{"prompt_token_ids": self.random_ids(context_tokens)} for _ in range(batch)]
+        first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        longer = SamplingParams(max_tokens=1 + DECODE_STEPS, temperature=0.0, ignore_eos=True, detokenize=False)
+        self._llm.generate(prompts, first, use_tqdm=False)  # into the prefix cache
+        steps_s: list[float] = []
+        for _ in range(self._repeats):
+            begin = time.perf_counter()
+            self._llm.generate(prompts, first, use_tqdm=False)
+            short_s = time.perf_counter() - begin
+            begin = time.perf_counter()
+            outputs = self._llm.generate(prompts, longer, use_tqdm=False)
+            long_s = time.perf_counter() - begin
+            decoded = min(len(output.outputs[0].token_ids) for output in outputs) - 1
+            steps_s.append(max(long_s - short_s, 0.0) / max(decoded, 1))
+        context = batch * (context_tokens + DECODE_STEPS // 2)
+        return CostSample(batch, context, statistics.median(steps_s), requests=batch)
+
 
 def _measure_grid(
     steps: _StepTimer, grid: ProfileGrid, rng: random.Random, say: Callable[[str], None]
@@ -227,6 +266,24 @@ def _measure_grid(
         say(
             f"[{index}/{len(points)}] P={new_tokens} C={context_tokens}: {sample.latency_s * 1e3:.1f} ms"
             f"{' held out' if held_out else ''}{note}"
+        )
+    return tuple(train), tuple(holdout)
+
+
+def _measure_decode_grid(
+    steps: _StepTimer, grid: ProfileGrid, rng: random.Random, say: Callable[[str], None]
+) -> tuple[tuple[CostSample, ...], tuple[CostSample, ...]]:
+    """Measure every decode batch (B requests at c tokens of context each), in a shuffled order."""
+    points = [(point, False) for point in grid.decode_train] + [(point, True) for point in grid.decode_holdout]
+    rng.shuffle(points)
+    train: list[CostSample] = []
+    holdout: list[CostSample] = []
+    for index, ((batch, context_tokens), held_out) in enumerate(points, start=1):
+        sample = steps.measure_decode(batch, context_tokens)
+        (holdout if held_out else train).append(sample)
+        say(
+            f"[decode {index}/{len(points)}] B={batch} c={context_tokens}: {sample.latency_s * 1e3:.1f} ms per step"
+            f"{' held out' if held_out else ''}"
         )
     return tuple(train), tuple(holdout)
 

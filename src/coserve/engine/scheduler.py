@@ -199,8 +199,12 @@ class TDGScheduler(Scheduler):
         if not scheduled:
             return
         ranks = [self._class_of(req_id).rank for req_id in scheduled]
-        context = sum(self.requests[r].num_computed_tokens - n for r, n in scheduled.items() if r in self.requests)
-        predicted_s = self.coserve.cost_model.latency_s(output.total_num_scheduled_tokens, max(context, 0))
+        # each request's new tokens over its own context (the request's count already includes this step's)
+        pieces = [
+            (n, max(self.requests[r].num_computed_tokens - n, 0) if r in self.requests else 0)
+            for r, n in scheduled.items()
+        ]
+        predicted_s = self.coserve.cost_model.step_latency_s(pieces)
         self.board.post_step(PostedStep(metadata.step_id, now_s, predicted_s, min(ranks), self._num_layers))
 
     def _class_of(self, request_id: str) -> RequestClass:

@@ -7,7 +7,8 @@ Symbols (from the conversation-level disaggregation paper) and their names here:
     L_d   output tokens per conversation     -> workload.output_tokens
     W     conversation lifetime (s)          -> workload.lifetime_s
     T_p   prefiller throughput at L_in       -> L_in / prefill_latency(L_in)
-    T_d   decoder throughput (tokens/s)      -> profile.decode_throughput_tokens_per_s
+    T_d   decoder throughput (tokens/s)      -> profile.decode_throughput_tokens_per_s, or the step
+                                                cost model at B requests of live context each
     B     KV slots per decoder               -> floor(kv_capacity_tokens / live_context_tokens)
 
 One prefiller saturates at ``R* = T_p / L_in`` conversations/s, so M prefillers
@@ -129,6 +130,7 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
         f"live tokens per conversation) = {kv_slots} conversations",
         f"decoders are sized for min(M·R*, headroom·R) = min({_rate(pool_saturation)}, "
         f"{spec.headroom:g}·{_rate(rate)}) = {_rate(design_rate)} conversations/s",
+        *([profile.decode_basis] if profile.decode_basis else []),
         f"throughput needs R·L_d / T_d = {_rate(design_rate)}·{output_tokens} / {decode_tps:g} = "
         f"{throughput_need:.3f} decoders; memory needs R·W / B = {_rate(design_rate)}·{lifetime_s:g} / "
         f"{kv_slots} = {memory_need:.3f} decoders; {binding.value} binds",

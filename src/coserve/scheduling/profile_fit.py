@@ -1,7 +1,8 @@
 """Turn measured engine steps into a CoServeProfile: the grid, the fits and the profile object.
 
 ``coserve profile`` (through ``coserve.engine.profiler``) measures one step per
-grid point (P new tokens over C cached context tokens) and one batched decode;
+grid point (P new tokens over C cached context tokens), decode steps of batches
+at several contexts, and one decode throughput run;
 everything it then does with the numbers lives here, so it is tested without an
 engine:
 
@@ -30,27 +31,42 @@ from coserve.api.spec import PrefillLatencyCurve
 from coserve.scheduling.cost_model import CostSample, FitReport, fit_cost_model
 
 __all__ = [
+    "DECODE_STEPS",
     "ProfileGrid",
     "ProfileMeasurements",
     "build_profile",
     "fit_prefill_curve",
+    "hold_out_interior",
     "summary_table",
 ]
 
 # Significant digits kept in the profile file: the measurements are noisier than this.
 _SIGNIFICANT_DIGITS = 6
 
+# A decode point times DECODE_STEPS decode steps (the difference between B requests generating
+# 1 + DECODE_STEPS tokens and generating 1), so its context grows by DECODE_STEPS during the timing.
+DECODE_STEPS = 16
+
 
 @dataclass(frozen=True)
 class ProfileGrid:
-    """The (P, C) points to measure: ``train`` fits the cost model, ``holdout`` judges it.
+    """The steps to measure: ``train`` fits the cost model, ``holdout`` judges it.
 
-    C values should be multiples of the engine's KV block size (128 on vLLM's CPU
-    backend, 16 on GPU), because prefix caching only reuses whole blocks.
+    ``train`` and ``holdout`` are single-request (P, C) points: P new tokens over
+    C cached ones. ``decode_train`` and ``decode_holdout`` are batched decode
+    points (B, c): B requests decoding together at c tokens of context each.
+    The batches are what identify the cost model's per-request attention term
+    against its context-reading term: one request alone cannot tell k2·p·(p + c)
+    from k4·(p + c) when p = 1.
+
+    C and c values should be multiples of the engine's KV block size (128 on
+    vLLM's CPU backend, 16 on GPU), because prefix caching only reuses whole blocks.
     """
 
     train: tuple[tuple[int, int], ...]
     holdout: tuple[tuple[int, int], ...]
+    decode_train: tuple[tuple[int, int], ...] = ()
+    decode_holdout: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name, points in (("train", self.train), ("holdout", self.holdout)):
@@ -59,36 +75,70 @@ class ProfileGrid:
                     raise ValueError(
                         f"grid.{name}[{index}]: need P >= 1 and C >= 0, got P={new_tokens} C={context_tokens}"
                     )
-        overlap = set(self.train) & set(self.holdout)
-        if overlap:
-            raise ValueError(f"grid: points {sorted(overlap)} are both trained on and held out")
+        for name, points in (("decodeTrain", self.decode_train), ("decodeHoldout", self.decode_holdout)):
+            for index, (batch, context_tokens) in enumerate(points):
+                if batch < 1 or context_tokens < 1:
+                    raise ValueError(
+                        f"grid.{name}[{index}]: need B >= 1 requests and c >= 1 context tokens, "
+                        f"got B={batch} c={context_tokens}"
+                    )
+        for kind, train, holdout in (
+            ("points", self.train, self.holdout),
+            ("decode points", self.decode_train, self.decode_holdout),
+        ):
+            overlap = set(train) & set(holdout)
+            if overlap:
+                raise ValueError(f"grid: {kind} {sorted(overlap)} are both trained on and held out")
 
     @classmethod
     def default(cls) -> ProfileGrid:
-        """33 points up to P=1024, C=2048 (about a minute with the 4-layer tiny model on 2 cores)."""
+        """33 single-request points up to P=1024, C=2048 and 11 decode batches of 1-16 requests.
+
+        A few minutes with the benchmark's 16-layer model on 2 cores.
+        """
         return cls(
             train=_lattice((16, 64, 128, 256, 512, 1024), (0, 256, 1024, 2048)),
             holdout=_lattice((32, 192, 768), (0, 512, 1536)),
+            decode_train=_lattice((1, 4, 16), (128, 1024, 2048)),
+            decode_holdout=_lattice((8,), (512, 1536)),
         )
 
     @classmethod
     def quick(cls) -> ProfileGrid:
-        """10 small points, for tests: enough to fit 4 coefficients and the 3-term prefill curve."""
-        return cls(train=_lattice((16, 128, 512), (0, 512)), holdout=_lattice((64, 256), (0, 256)))
+        """10 small points and 3 decode batches, for tests: enough to fit 4 coefficients and the prefill curve."""
+        return cls(
+            train=_lattice((16, 128, 512), (0, 512)),
+            holdout=_lattice((64, 256), (0, 256)),
+            decode_train=((4, 256),),
+            decode_holdout=((2, 128), (8, 128)),
+        )
 
     @property
     def max_new_tokens(self) -> int:
         """The largest P: the engine's per-step token budget must hold it so each point is one step."""
         return max(p for p, _ in self.train + self.holdout)
 
+    @property
+    def max_batch(self) -> int:
+        """The largest decode batch: the engine must run that many requests at once."""
+        return max((b for b, _ in self.decode_train + self.decode_holdout), default=1)
+
+    @property
+    def decode_kv_tokens(self) -> int:
+        """The most KV a decode point holds at once (B·c plus its decoded tokens, see ``DECODE_STEPS``)."""
+        return max((b * (c + DECODE_STEPS + 1) for b, c in self.decode_train + self.decode_holdout), default=0)
+
     def fitting(self, max_total_tokens: int) -> ProfileGrid:
         """The points whose P + C fit in ``max_total_tokens``; ``ValueError`` if too few remain to fit.
 
-        The caller passes max_model_len - 1: each measured request also samples one token.
+        The caller passes max_model_len - 1: each measured request also samples one token (a decode
+        point's requests decode ``DECODE_STEPS`` more).
         """
         grid = ProfileGrid(
             train=tuple(pt for pt in self.train if sum(pt) <= max_total_tokens),
             holdout=tuple(pt for pt in self.holdout if sum(pt) <= max_total_tokens),
+            decode_train=tuple(pt for pt in self.decode_train if pt[1] + DECODE_STEPS <= max_total_tokens),
+            decode_holdout=tuple(pt for pt in self.decode_holdout if pt[1] + DECODE_STEPS <= max_total_tokens),
         )
         if len(grid.train) < 4 or not grid.holdout:
             raise ValueError(
@@ -153,6 +203,32 @@ def fit_prefill_curve(lengths: Sequence[float], latencies_s: Sequence[float]) ->
     return PrefillLatencyCurve(constant_s=a, per_token_s=b, per_token_squared_s=c)
 
 
+def hold_out_interior(samples: Sequence[CostSample]) -> tuple[list[CostSample], list[CostSample]]:
+    """Split a measured grid into (train, holdout) so the held-out points lie between trained ones.
+
+    A grid is a set of sweeps: full prefills (C = 0) by P, chunks (C > 0, one request) by (P, C), and
+    each decode batch size's contexts. In every sweep, every other interior point is held out, starting
+    from the second; the ends are always trained on, so the held-out error measures interpolation, as
+    ``ProfileGrid``'s own held-out points do. Used on grids measured elsewhere (the H200 grid in
+    ``data/gpu``) by ``benchmarks/cost_model.py`` and the tests.
+    """
+    sweeps: dict[tuple[str, int], list[CostSample]] = {}
+    for sample in samples:
+        if sample.requests > 1 or (sample.new_tokens == 1 and sample.context_tokens > 0):
+            key = ("decode", sample.requests)
+        else:
+            key = ("prefill" if sample.context_tokens == 0 else "chunk", 1)
+        sweeps.setdefault(key, []).append(sample)
+    train: list[CostSample] = []
+    holdout: list[CostSample] = []
+    for sweep in sweeps.values():
+        ordered = sorted(sweep, key=lambda s: (s.new_tokens, s.context_tokens))
+        for index, sample in enumerate(ordered):
+            interior = 0 < index < len(ordered) - 1
+            (holdout if interior and index % 2 == 1 else train).append(sample)
+    return train, holdout
+
+
 def build_profile(measurements: ProfileMeasurements) -> tuple[EngineProfile, FitReport]:
     """Fit the step cost model and the prefill curve; return the profile and the cost model's fit report.
 
@@ -161,7 +237,9 @@ def build_profile(measurements: ProfileMeasurements) -> tuple[EngineProfile, Fit
     there are. Raises ``ValueError`` when the samples cannot support either fit.
     """
     report = fit_cost_model(measurements.train, measurements.holdout)
-    full_prefills = [s for s in (*measurements.train, *measurements.holdout) if s.context_tokens == 0]
+    full_prefills = [
+        s for s in (*measurements.train, *measurements.holdout) if s.context_tokens == 0 and s.requests == 1
+    ]
     curve = fit_prefill_curve([s.new_tokens for s in full_prefills], [s.latency_s for s in full_prefills])
     cost_model: dict[str, float | int] = {key: _rounded(value) for key, value in report.model.to_dict().items()}
     cost_model |= {
@@ -184,13 +262,16 @@ def build_profile(measurements: ProfileMeasurements) -> tuple[EngineProfile, Fit
 
 
 def summary_table(report: FitReport, holdout: Sequence[CostSample]) -> str:
-    """The held-out points with measured and predicted latency, then the fit's quality, as text."""
-    lines = [f"{'P':>6} {'C':>6} {'measured ms':>12} {'predicted ms':>13} {'error':>7}"]
-    for sample in sorted(holdout, key=lambda s: (s.new_tokens, s.context_tokens)):
-        predicted = report.model.latency_s(sample.new_tokens, sample.context_tokens)
+    """The held-out points with measured and predicted latency, then the fit's quality, as text.
+
+    P and C are the step's totals; B is how many requests shared them (a decode batch).
+    """
+    lines = [f"{'B':>4} {'P':>6} {'C':>7} {'measured ms':>12} {'predicted ms':>13} {'error':>7}"]
+    for sample in sorted(holdout, key=lambda s: (s.requests, s.new_tokens, s.context_tokens)):
+        predicted = report.model.latency_s(sample.new_tokens, sample.context_tokens, sample.requests)
         error = (predicted - sample.latency_s) / sample.latency_s if sample.latency_s > 0 else math.inf
         lines.append(
-            f"{sample.new_tokens:>6} {sample.context_tokens:>6} {sample.latency_s * 1e3:>12.2f} "
+            f"{sample.requests:>4} {sample.new_tokens:>6} {sample.context_tokens:>7} {sample.latency_s * 1e3:>12.2f} "
             f"{predicted * 1e3:>13.2f} {error:>+7.1%}"
         )
     lines.append(

@@ -30,7 +30,8 @@ fill the step, which requests fit in it, and how many new tokens it may take.
    without taking the step from urgent work; the others wait their turn.
 6. The step's time budget η is the smallest slack among the urgent and
    running requests, clamped to [min_step_s, max_step_s], and becomes a token
-   budget through the cost model.
+   budget through the cost model, with each request in the order charged for
+   its own context (the attention term is per request).
 """
 
 from __future__ import annotations
@@ -122,10 +123,10 @@ class SlideBatching:
             empty: frozenset[str] = frozenset()
             return StepDecision((), empty, {}, config.max_tokens_per_step, config.max_step_s, empty, empty, empty)
         scored = [self._score(r, now_s) for r in requests]
-        # Load = predicted time to drain every runnable request's next piece of work.
-        load_s = self.cost_model.latency_s(
-            sum(s.request.remaining_prefill_tokens for s in scored),
-            sum(s.request.num_computed_tokens for s in scored),
+        # Load = predicted time to drain every runnable request's next piece of work (each request's tokens
+        # attend to its own context: the cost model's attention term is per request).
+        load_s = self.cost_model.step_latency_s(
+            (s.request.remaining_prefill_tokens, s.request.num_computed_tokens) for s in scored
         )
         boundary_s = config.urgency_factor * load_s
 
@@ -191,15 +192,15 @@ class SlideBatching:
 
         slacks = [s.slack_s for s in urgent] + [s.slack_s for s in on_time if s.request.is_running]
         time_budget_s = min(max(min(slacks, default=config.max_step_s), config.min_step_s), config.max_step_s)
-        context = sum(s.request.num_computed_tokens for s in ordered)
-        token_budget = self.cost_model.max_new_tokens(time_budget_s, context, config.max_tokens_per_step)
+        promoted_cap = max(1, math.ceil(config.promoted_share * config.max_tokens_per_step))
+        caps = {s.request.request_id: promoted_cap for s in promoted}
+        token_budget = self._token_budget(ordered, time_budget_s, caps, free_slots)
         # Never starve the step: the first request's work, or every urgent decode, always fits.
         floor = max(
             min(ordered[0].work_tokens, config.max_tokens_per_step), sum(1 for s in urgent if not s.request.in_prefill)
         )
         token_budget = min(max(token_budget, floor), config.max_tokens_per_step)
-        promoted_cap = max(1, math.ceil(config.promoted_share * config.max_tokens_per_step))
-        allowances = _fill(ordered, token_budget, {s.request.request_id: promoted_cap for s in promoted}, free_slots)
+        allowances = _fill(ordered, token_budget, caps, free_slots)
         return StepDecision(
             order=tuple(s.request.request_id for s in ordered),
             selected_ids=frozenset(allowances),
@@ -210,6 +211,45 @@ class SlideBatching:
             promoted_ids=frozenset(promoted_ids),
             late_ids=frozenset(late_ids),
         )
+
+    def _token_budget(
+        self, ordered: Sequence[_Scored], time_budget_s: float, caps: dict[str, int], free_slots: int | None
+    ) -> int:
+        """The most new tokens whose step, filled in ``ordered`` as ``_fill`` fills it, fits in ``time_budget_s``.
+
+        Walks the order with the step's running sums (new tokens, context, Σ p·(p + c)): a request whose whole
+        piece fits is taken; the first that does not gets the largest chunk that fits (a binary search, exact
+        while latency grows with the chunk), and the walk stops there, as ``_fill`` stops when the budget is
+        spent. Only the requests the step would run count their context.
+        """
+        model = self.cost_model
+        limit = self.config.max_tokens_per_step
+        new = context = 0
+        attention = 0.0
+        slots = free_slots
+        for scored in ordered:
+            left = limit - new
+            if left <= 0:
+                break
+            request = scored.request
+            if not request.is_running and slots is not None:
+                if slots <= 0:
+                    continue
+                slots -= 1
+            c = request.num_computed_tokens
+            take = min(scored.work_tokens, left, caps.get(request.request_id, scored.work_tokens))
+            if model.latency_from(new + take, context + c, attention + take * (take + c)) <= time_budget_s:
+                new, context, attention = new + take, context + c, attention + take * (take + c)
+                continue
+            low, high = 0, take - 1  # the largest chunk that fits; 0 when not even one token does
+            while low < high:
+                middle = (low + high + 1) // 2
+                if model.latency_from(new + middle, context + c, attention + middle * (middle + c)) <= time_budget_s:
+                    low = middle
+                else:
+                    high = middle - 1
+            return new + low
+        return new
 
     def _score(self, request: SchedRequest, now_s: float) -> _Scored:
         model = self.cost_model

@@ -213,7 +213,7 @@ class SimEngine:
         floor = decision.time_budget_s
         if any(r.request_id in decision.late_ids for r in scheduled):
             floor = min(floor, self.policy.config.min_step_s)  # a late request may come back on time, slack >= 0
-        if model.max_new_tokens(floor, final_context, self.policy.config.max_tokens_per_step) < n:
+        if slowest > floor:  # the policy's budget at that floor would not take every decode at the end
             return 1
         return steps
 
@@ -250,22 +250,15 @@ class SimEngine:
     def step_s(self, pieces: list[tuple[int, int]]) -> float:
         """How long a step runs: the cost model with each request's new tokens attending to its own context.
 
-        ``pieces``: (new tokens, cached context) per request. ``latency(P, C)`` was fitted on one request per
-        step; in a batch the attention term k2 sums over requests (k2·Σ p·(p + c)), because a request's
-        tokens attend to its own context only, while the per-token and context-reading terms use the
-        batch's totals. Read with the batch's totals, k2 would charge every new token for every other
-        request's context: 64 decodes at 16k tokens each would cost 64 times the attention they do.
+        ``pieces``: (new tokens, cached context) per request; the attention term sums over requests
+        (k2·Σ p·(p + c)), the per-token and context-reading terms use the batch's totals
+        (``StepCostModel.step_latency_s``, the same prediction the engine's scheduler posts).
         """
-        model = self.cost_model
-        new = sum(p for p, _ in pieces)
-        context = sum(c for _, c in pieces)
-        attention = sum(p * (p + c) for p, c in pieces)
-        return max((model.k1 + model.k3) * new + model.k4 * (new + context) + model.k2 * attention + model.k5, 0.0)
+        return self.cost_model.step_latency_s(pieces)
 
     def _decode_step_s(self, n: int, context: int) -> float:
         """``step_s`` of ``n`` one-token decodes over ``context`` cached tokens in all."""
-        model = self.cost_model
-        return max((model.k1 + model.k3) * n + (model.k4 + model.k2) * (n + context) + model.k5, 0.0)
+        return self.cost_model.latency_from(n, context, n + context)
 
     def _account(self, duration: float, new_tokens: int) -> None:
         self.busy_s += duration
