@@ -62,12 +62,17 @@ def bench_model(layers: int, hidden_size: int) -> Path:
     return build_tiny_model(default_model_cache(), spec)
 
 
+# The cached profile's name says which grid it was fitted on: profiles from before the grid had decode
+# batches (``coserve-profile.yaml``) fitted the attention term on single requests and are not reused.
+PROFILE_FILE = "coserve-profile-batched.yaml"
+
+
 def measured_cost_model(model: Path) -> dict[str, float]:
     """The model's step cost model, measured once with ``coserve profile --quick`` and cached beside it.
 
     This is the deployment workflow: profile the engine, then serve with the fitted model.
     """
-    path = model / "coserve-profile.yaml"
+    path = model / PROFILE_FILE
     if not path.exists():
         say(f"profiling {model.name} with `coserve profile --quick` (about a minute, once)")
         subprocess.run(  # noqa: S603 - our own CLI

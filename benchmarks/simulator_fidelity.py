@@ -76,6 +76,7 @@ import ttfet
 import yaml
 from _harness import (
     MIN_SAMPLES,
+    PROFILE_FILE,
     RESULTS,
     TRACES,
     bench_model,
@@ -225,7 +226,7 @@ class Calibration:
 def calibration(layers: int, hidden_size: int) -> Calibration:
     """The cached profile of the bench model the measured runs used; never profiles (that would start vLLM)."""
     model = bench_model(layers, hidden_size)
-    path = model / "coserve-profile.yaml"
+    path = model / PROFILE_FILE
     if not path.exists():
         raise SystemExit(f"{path} is missing: run the measured benchmarks (or `coserve profile`) first")
     profile = yaml.safe_load(path.read_text())
@@ -737,7 +738,7 @@ def main() -> int:
             "skipped": out.skipped,
             "diagnostics": out.diagnostics,
             "calibration": {
-                "profile": str(bench_model(model["layers"], model["hidden_size"]) / "coserve-profile.yaml"),
+                "profile": str(bench_model(model["layers"], model["hidden_size"]) / PROFILE_FILE),
                 "profile_measured_at": cal.profile.get("measuredAt"),
                 "cost_model": cal.cost_model,
                 "kv_capacity_tokens": cal.kv_capacity_tokens,
