@@ -25,11 +25,14 @@ renders it). It reads the same ``COSERVE_CONFIG`` file as the scheduler.
 Only the pool's router may claim a class and raise the flag. When
 ``COSERVE_ROUTER_TOKEN_FILE`` names a file (the operator mounts the pool's
 router token there, in the router and in the engines), a request must carry
-that token in ``X-Coserve-Router-Token``; one that does not is served at the
-lowest class, with the class's own SLOs and no ``priority``, and never raises
-the flag, so a client that reaches an engine directly can neither jump the
-queue nor stall other classes' steps. Without the variable (a local engine) every
-request is trusted.
+that token in ``X-Coserve-Router-Token``. One that does not is held to
+``ROUTE_POLICY``: on every route that generates it is served at the lowest
+class, with the class's own SLOs, no ``priority`` and no KV-transfer
+parameters, and never raises the flag, so a client that reaches an engine
+directly can neither jump the queue, stall other classes' steps nor steer a
+decoder's KV pull; routes that only read pass; every other route (an abort,
+an elastic scale, a stored response, one a future vLLM adds) is refused with
+a 403. Without the variable (a local engine) every request is trusted.
 
 It also keeps the engine's ``ConversationLog``: the conversation each routed
 request names in ``X-Coserve-Conversation`` is recorded, and the routers ask
@@ -58,10 +61,13 @@ from coserve.scheduling.requests import ClassRegistry
 __all__ = [
     "ROUTER_TOKEN_FILE_ENV",
     "ROUTER_TOKEN_HEADER",
+    "ROUTE_POLICY",
     "RequestClassValidator",
     "demote",
+    "demote_generate",
     "load_router_token",
     "openai_error",
+    "route_policy",
 ]
 
 ROUTER_TOKEN_FILE_ENV = "COSERVE_ROUTER_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
@@ -83,8 +89,40 @@ logger = logging.getLogger(__name__)
 # context). Anything else that reaches the hand-off (a demoted request, an internal one) sees False.
 _FROM_ROUTER: ContextVar[bool] = ContextVar("coserve_from_router", default=False)
 
-CHECKED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MAX_BODY_BYTES = 64 << 20
+
+# What a caller without the router token may do on each of vLLM 0.32's routes (when a token is mounted).
+# OPEN: passes untouched (it reads, or renders a prompt, and never generates). OPENAI / GENERATE: generation,
+# served at the lowest class (the body's class claims, priority and KV-transfer parameters rewritten, see
+# ``demote`` and ``demote_generate``). Every other route, and every route a future vLLM adds, is refused to
+# such callers with a 403 (``tests/engine/test_route_policy.py`` lists vLLM's routes from its own app, so a
+# new one fails it until someone decides). The router, which carries the token, reaches every route.
+OPEN, OPENAI, GENERATE = "open", "openai", "generate"
+ROUTE_POLICY: dict[tuple[str, str], str] = {
+    **{("GET", path): OPEN for path in (
+        "/health", "/metrics", "/ping", "/load", "/version", "/v1/models",
+        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+    )},
+    **{("POST", path): OPEN for path in (
+        "/ping", "/tokenize", "/detokenize", "/v1/messages/count_tokens",
+        "/v1/chat/completions/render", "/v1/completions/render", "/v1/responses/render", "/v1/messages/render",
+        "/v1/chat/completions/derender", "/v1/completions/derender",
+    )},
+    **{("POST", path): OPENAI for path in (
+        "/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/v1/responses",
+        "/v1/messages", "/invocations",
+    )},
+    ("POST", "/inference/v1/generate"): GENERATE,
+}  # fmt: skip
+# Fields only the router (or the engines' own P/D protocol through it) may set: with NixlConnector the
+# transfer parameters name the host, port and blocks a decoder pulls KV from.
+ENGINE_INTERNAL_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+_SLO_KEYS = ("ttft_slo_ms", "tpot_slo_ms")
+
+
+def route_policy(method: str, path: str) -> str | None:
+    """``OPEN``, ``OPENAI``, ``GENERATE`` for a known route (HEAD as GET), ``None`` for any other."""
+    return ROUTE_POLICY.get(("GET" if method == "HEAD" else method, path))
 
 
 def openai_error(message: str, param: str | None, status: int = 400) -> bytes:
@@ -111,26 +149,49 @@ def load_router_token(path: str | None) -> bytes | None:
 
 
 def demote(body: dict[str, Any], lowest: str) -> dict[str, Any]:
-    """``body`` as a request without the router's proof is served: the lowest class, its own SLOs, no priority."""
-    out = {k: v for k, v in body.items() if k != "priority"}
-    extra = body.get("vllm_xargs")
-    extra = (
-        {k: v for k, v in extra.items() if k not in ("ttft_slo_ms", "tpot_slo_ms")} if isinstance(extra, dict) else {}
-    )
-    out["vllm_xargs"] = {**extra, "coserve_class": lowest}
+    """``body`` as a request without the router's proof is served: the lowest class, its own SLOs, no priority,
+    no engine-internal fields (an OpenAI-style body: the class in ``vllm_xargs``)."""
+    out = {k: v for k, v in body.items() if k != "priority" and k not in ENGINE_INTERNAL_FIELDS}
+    out["vllm_xargs"] = _lowest_args(body.get("vllm_xargs"), lowest)
     return out
 
 
-def check_request(body: Any, classes: ClassRegistry) -> InvalidRequestClass | None:
-    """The first coserve problem with a parsed request body, or ``None``."""
+def demote_generate(body: dict[str, Any], lowest: str) -> dict[str, Any]:
+    """``demote`` for vLLM's token-in/token-out ``/inference/v1/generate``: the class in its sampling params."""
+    out = {k: v for k, v in body.items() if k != "priority" and k not in ENGINE_INTERNAL_FIELDS}
+    params = body.get("sampling_params")
+    params = {k: v for k, v in params.items() if k != "priority"} if isinstance(params, dict) else {}
+    params["extra_args"] = _lowest_args(params.get("extra_args"), lowest)
+    out["sampling_params"] = params
+    return out
+
+
+def _lowest_args(extra: Any, lowest: str) -> dict[str, Any]:
+    kept = (
+        {k: v for k, v in extra.items() if k not in _SLO_KEYS and k not in ENGINE_INTERNAL_FIELDS}
+        if isinstance(extra, dict)
+        else {}
+    )
+    return {**kept, "coserve_class": lowest}
+
+
+def check_request(body: Any, classes: ClassRegistry, kind: str = OPENAI) -> InvalidRequestClass | None:
+    """The first coserve problem with a parsed request body, or ``None``.
+
+    ``kind`` says where the class is: ``vllm_xargs`` (OPENAI) or ``sampling_params.extra_args`` (GENERATE).
+    """
     if not isinstance(body, dict):
         return None  # not ours to judge: vLLM answers malformed JSON itself
     priority = body.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         return InvalidRequestClass("priority", f"must be an integer, got {priority!r}")
+    field = "vllm_xargs"
     extra = body.get("vllm_xargs")
+    if kind == GENERATE:
+        params = body.get("sampling_params")
+        field, extra = "sampling_params.extra_args", params.get("extra_args") if isinstance(params, dict) else None
     if extra is not None and not isinstance(extra, dict):
-        return InvalidRequestClass("vllm_xargs", f"must be an object, got {type(extra).__name__}")
+        return InvalidRequestClass(field, f"must be an object, got {type(extra).__name__}")
     try:
         classes.resolve(extra, priority)
     except InvalidRequestClass as error:
@@ -157,10 +218,19 @@ class RequestClassValidator:
         self.conversations = ConversationLog()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") == "http" and scope.get("method") == "POST" and scope.get("path") == LOOKUP_PATH:
+        kind = scope.get("type")
+        if kind == "http" and scope.get("method") == "POST" and scope.get("path") == LOOKUP_PATH:
             await self._lookup(scope, receive, send)
             return
-        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in CHECKED_PATHS:
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)  # lifespan
+            return
+        trusted = self._from_router(scope)
+        policy = route_policy(str(scope.get("method", "GET")), str(scope.get("path", ""))) if kind == "http" else None
+        if policy is None and not trusted:
+            await self._refuse(scope, receive, send)
+            return
+        if policy not in (OPENAI, GENERATE):
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -185,14 +255,15 @@ class RequestClassValidator:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None
-        problem = check_request(parsed, self.classes)
+        problem = check_request(parsed, self.classes, policy)
         if problem is not None:
             await _respond(send, 400, openai_error(f"{problem.field}: {problem.reason}", problem.field))
             return
         proven = False
         if isinstance(parsed, dict):
-            if self.router_token is not None and not self._from_router(scope):
-                body = json.dumps(demote(parsed, self._lowest)).encode()
+            if not trusted:
+                demoted = demote_generate(parsed, self._lowest) if policy == GENERATE else demote(parsed, self._lowest)
+                body = json.dumps(demoted).encode()
                 scope = {**scope, "headers": _with_length(scope.get("headers") or [], len(body))}
             else:
                 proven = self._watch_hand_off(scope)
@@ -228,6 +299,17 @@ class RequestClassValidator:
             return
         body = json.dumps({"found": self.conversations.lookup(ids, time.monotonic())}).encode()
         await _respond(send, 200, body)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A route a caller without the router token may not use: 403 (a WebSocket is closed, policy violation)."""
+        path = scope.get("path")
+        if scope.get("type") == "websocket":
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008, "reason": "the pool's router token is required"})
+            return
+        logger.info("refused %s %s: no router token", scope.get("method"), path)
+        message = f"{scope.get('method')} {path} is served only through the pool's router"
+        await _respond(send, 403, openai_error(message, None, 403))
 
     def _from_router(self, scope: Scope) -> bool:
         """The request carries the pool's router token (compared in constant time)."""
