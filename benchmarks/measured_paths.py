@@ -55,4 +55,5 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "torch_preemption_latency_cuda": ("benchmarks/gpu/torch_check.py",),
     "torch_safepoint_overhead_cuda": ("benchmarks/gpu/torch_check.py",),
     "torch_decode_graphs_cuda": ("benchmarks/gpu/torch_check.py",),
+    "torch_kv_offload_cuda": ("benchmarks/gpu/torch_check.py",),
 }

@@ -270,8 +270,9 @@ def test_results_are_written_as_they_come_tagged_cuda(gpu_modules: SimpleNamespa
 
 def test_the_plain_pytorch_gpu_check_runs_its_smoke_mode_on_a_cpu_without_vllm(tmp_path: Path) -> None:
     """benchmarks/gpu/torch_check.py, the check a lent GPU machine can run: its CPU smoke run (the same code
-    with a 4-layer model), with every import of vLLM and of the serving stack refused, as on that machine
-    (PyTorch and no vLLM), so a broken import or result shape shows before device time is spent."""
+    with a 4-layer model, the KV offload part included), with every import of vLLM and of the serving stack
+    refused, as on that machine (PyTorch and no vLLM), so a broken import or result shape shows before device
+    time is spent."""
     script = GPU_DIR / "torch_check.py"
     guarded = (
         "import builtins, runpy, sys\n"
@@ -294,3 +295,12 @@ def test_the_plain_pytorch_gpu_check_runs_its_smoke_mode_on_a_cpu_without_vllm(t
     assert "src/coserve/engine/layer_safepoints.py" in latency["code"]["files"]
     graphs = json.loads((tmp_path / "torch_decode_graphs_cuda.json").read_text())
     assert graphs["met"] is False and [row["batch"] for row in graphs["decode"]] == [1, 8]
+    # the host KV pool's GPU copy path (DeviceKVCopier), its inline mode on the CPU
+    offload = json.loads((tmp_path / "torch_kv_offload_cuda.json").read_text())
+    assert offload["met"] is False and offload["reload_equal"] is True
+    assert [row["tokens"] for row in offload["bandwidth"]] == [32, 128]
+    assert [row["tokens"] for row in offload["baseline"]["rows"]] == [32, 128]
+    assert all(row["save_gbps"] > 0 and row["reload_gbps"] > 0 for row in offload["bandwidth"])
+    assert offload["overhead"]["n"] >= 4
+    assert offload["setup"]["kv_layout"][0] == 2 and offload["setup"]["block_tokens"] == 16  # vLLM's CUDA layout
+    assert "src/coserve/engine/kv_copies.py" in offload["code"]["files"]

@@ -40,6 +40,27 @@ def new_step(*entries: tuple[Any, list[int], int, int]) -> Any:
         ),
         num_scheduled_tokens={r.request_id: n for r, _, _, n in entries},
         total_num_scheduled_tokens=sum(n for *_, n in entries),
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+    )
+
+
+def cached_step(*entries: tuple[Any, int, int], finished: set[str] = frozenset(), preempted: Any = frozenset()) -> Any:
+    """(request, computed before, scheduled) for requests scheduled again, no new blocks; and what finished or
+    was preempted since the last step (``preempted=None``: a vLLM that does not report preemptions)."""
+    cached = SimpleNamespace(
+        req_ids=[r.request_id for r, _, _ in entries],
+        new_block_ids=[None for _ in entries],
+        num_computed_tokens=[before for _, before, _ in entries],
+        resumed_req_ids=set(),
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={r.request_id: n for r, _, n in entries},
+        total_num_scheduled_tokens=sum(n for *_, n in entries),
+        finished_req_ids=set(finished),
+        preempted_req_ids=None if preempted is None else set(preempted),
     )
 
 
@@ -77,7 +98,8 @@ def test_the_copy_budget_limits_a_step_and_the_top_class_goes_first() -> None:
     cached = SimpleNamespace(req_ids=["low", "top"], new_block_ids=[None, None], num_computed_tokens=[8, 8],
                              resumed_req_ids=set())  # fmt: skip
     step = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={"low": 1, "top": 1}, total_num_scheduled_tokens=2)  # fmt: skip
+                           num_scheduled_tokens={"low": 1, "top": 1}, total_num_scheduled_tokens=2,
+                           finished_req_ids=set(), preempted_req_ids=set())  # fmt: skip
     assert [c.device_block for c in p.plan_step(step).saves] == [4]  # the rest follows in later steps
 
 
@@ -101,3 +123,40 @@ def test_the_measured_copy_bandwidth_replaces_the_setting() -> None:
     assert p.bandwidth_bytes_per_s == 0.8 * 1e8 + 0.2 * 2e8
     p.observe_copies(0, 0)  # nothing copied: nothing learned
     assert p.bandwidth_bytes_per_s == 0.8 * 1e8 + 0.2 * 2e8
+
+
+def fence_after(finished: set[str], preempted: set[str] | None, scheduled_again: tuple[str, ...] = ("a", "b")) -> bool:
+    """Step 1 copies out request a's blocks and none of b's (b has no full block yet); step 2 schedules
+    ``scheduled_again`` after ``finished`` finished and ``preempted`` were preempted: its ``fence_saves``."""
+    p = planner(8)
+    a, b = request("a", list(range(8)), "standard"), request("b", list(range(100, 104)), "standard")
+    p.allocated(a, [1, 2], 0)
+    p.allocated(b, [3], 0)
+    first = p.plan_step(new_step((a, [1, 2], 0, 8), (b, [3], 0, 3)))
+    assert [c.device_block for c in first.saves] == [1, 2] and not first.fence_saves
+    p.step_done()
+    computed = {"a": (a, 8, 1), "b": (b, 3, 1)}
+    return p.plan_step(cached_step(*(computed[r] for r in scheduled_again), finished=finished,
+                                   preempted=preempted)).fence_saves  # fmt: skip
+
+
+def test_the_next_forward_is_fenced_when_a_request_being_copied_out_finishes_or_is_preempted() -> None:
+    # on CUDA the copy-outs overlap the next forward; it may rewrite their blocks only if they were freed
+    assert fence_after({"a"}, set(), scheduled_again=("b",))
+    assert fence_after(set(), {"a"}, scheduled_again=("b",))
+    assert not fence_after(set(), set())  # nothing freed
+    assert not fence_after({"b"}, set(), scheduled_again=("a",))  # b had no copy-outs
+    assert not fence_after(set(), {"b"}, scheduled_again=("a",))
+    # a vLLM that does not report preemptions: any finish, or a request being copied out not scheduled again
+    assert fence_after({"b"}, None, scheduled_again=("a",))
+    assert fence_after(set(), None, scheduled_again=("b",))
+    assert not fence_after(set(), None)
+
+
+def test_no_fence_follows_a_step_without_copy_outs() -> None:
+    p = planner(8)
+    a = request("a", list(range(3)), "standard")  # no full block: nothing to copy out
+    p.allocated(a, [1], 0)
+    assert not p.plan_step(new_step((a, [1], 0, 3))).saves
+    p.step_done()
+    assert not p.plan_step(cached_step(finished={"a"}, preempted={"a"})).fence_saves

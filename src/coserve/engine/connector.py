@@ -278,7 +278,8 @@ class CoServeConnector(KVConnectorBase_V1):
         self._safepoints.check(layer_name)
 
     def wait_for_save(self) -> None:
-        """End of the forward: start the step's copy-outs (the next forward waits for them)."""
+        """End of the forward: start the step's copy-outs (on a CPU the next forward waits for them; on CUDA
+        they overlap it unless the planner fenced it: see ``coserve.engine.offload``)."""
         if self.kv_worker is not None:
             self.kv_worker.end()
 

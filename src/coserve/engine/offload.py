@@ -11,13 +11,27 @@
   from the handoff directory a prefiller filled.
 
 ``OffloadWorker`` (worker side, one per rank) owns the bytes: one preallocated
-host tensor of ``capacity`` slots holding every layer of a block. Copies run on
-one background thread. A step's copy-outs start when its forward ends
-(``wait_for_save``) and run while vLLM samples, reports and schedules the next
+host tensor of ``capacity`` slots holding every layer of a block. Who calls it:
+the connector's ``bind_connector_metadata`` (before the forward) calls
+``begin``, ``wait_for_layer_load`` (before each attention layer) calls
+``wait_layer``, ``wait_for_save`` (after the forward) calls ``end``.
+
+On a CPU, copies run on one background thread. A step's copy-outs start when
+its forward ends and run while vLLM samples, reports and schedules the next
 step; the next step's forward waits for them first, so no block is rewritten
 while it is being read (copying during the forward slowed it down: see
 ``OffloadWorker.end``). Reloads are pipelined: layer L+1's copy-in runs while
 layer L computes, and ``wait_for_layer_load`` waits for layer L's only.
+
+On CUDA, ``coserve.engine.kv_copies.DeviceKVCopier`` does the copies, with the
+host pool in pinned memory and one copy stream: ``begin`` queues every layer's
+reload at once, ``wait_layer`` makes the compute stream wait for its layer's
+(device-side, the host never blocks), ``end`` queues the step's copy-outs,
+which overlap the next step's forward. That forward waits for them only when
+``StepPlan.fence_saves`` says it may rewrite a block they read (the planner
+sets it when a request whose blocks were being copied out finished or was
+preempted, the only way such a block is freed and reused). The background
+thread then only writes the handoff files, after the copies have landed.
 
 Handoff (``handoff_backend: shm``): the prefiller's worker also writes each
 block it copies out to ``handoff_path/<hash>.<rank>.kv`` (write, then an atomic
@@ -36,6 +50,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from coserve.engine.kv_copies import CopyStreams, DeviceKVCopier, SaveBatch
 from coserve.kv.config import KVSettings
 from coserve.kv.pool import BlockHash, HostPool, block_hashes, copy_budget
 from coserve.scheduling.config import EngineSchedulingConfig
@@ -69,10 +85,15 @@ class BlockCopy:
 
 @dataclass
 class StepPlan:
-    """What the workers copy in one step (part of the connector metadata)."""
+    """What the workers copy in one step (part of the connector metadata).
+
+    ``fence_saves``: the step's forward must wait for the previous step's copy-outs, because a block
+    they read may have been freed and reallocated to this step (see ``OffloadPlanner.plan_step``).
+    """
 
     loads: list[BlockCopy] = field(default_factory=list)
     saves: list[BlockCopy] = field(default_factory=list)
+    fence_saves: bool = False
 
 
 @dataclass
@@ -121,6 +142,7 @@ class OffloadPlanner:
         self._pending_loads: dict[str, tuple[int, list[BlockCopy], list[BlockHash]]] = {}
         self._step_loads: list[BlockCopy] = []
         self._pinned: list[BlockHash] = []
+        self._saving: set[str] = set()  # requests with copy-outs in the last plan
         self._step = 0
         self.loaded_blocks = 0
         self.handoff_blocks = 0
@@ -196,9 +218,36 @@ class OffloadPlanner:
             scheduled.append(
                 (tracked, cached.num_computed_tokens[index] + scheduler_output.num_scheduled_tokens[req_id])
             )
+        plan.fence_saves = self._must_fence(scheduler_output, {tracked.request.request_id for tracked, _ in scheduled})
+        saving: set[str] = set()
         if self.pool.capacity or self.produce:
-            plan.saves = self._copy_outs(scheduled, scheduler_output.total_num_scheduled_tokens)
+            plan.saves = self._copy_outs(scheduled, scheduler_output.total_num_scheduled_tokens, saving)
+        self._saving = saving
         return plan
+
+    def _must_fence(self, scheduler_output: SchedulerOutput, scheduled: set[str]) -> bool:
+        """Whether this step's forward may write a device block the last step's copy-outs still read.
+
+        On CUDA those copy-outs overlap this forward. A block they read belongs to a request that was
+        running; its blocks are freed, and can be given to this step, only when it finished or was
+        preempted since. This step's reloads need no fence: they run on the same copy stream after those
+        copy-outs, so they cannot overwrite a block before it has been copied out. Copy-outs older than
+        the last step's are always waited for by the worker, so a finish that vLLM reports one step late
+        (async scheduling) is covered as well.
+
+        NOTE: vLLM zeroes newly allocated blocks before the forward, ahead of this fence, but only for
+        caches with Mamba layers or mixed precisions (``needs_kv_cache_zeroing``); this offload assumes
+        one uniform KV cache group.
+        """
+        if not self._saving:
+            return False
+        finished = set(scheduler_output.finished_req_ids)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if preempted is None:
+            # This vLLM does not say which requests it preempted: fence after any finish, and whenever a
+            # request that was being copied out is not scheduled now (it may have been preempted).
+            return bool(finished) or not self._saving <= scheduled
+        return bool(self._saving & (finished | set(preempted)))
 
     def step_done(self) -> None:
         """The workers finished the last planned step (``update_connector_output``): its copies are usable."""
@@ -259,7 +308,7 @@ class OffloadPlanner:
             cls = self.config.classes.default
         return cls.name, cls.rank
 
-    def _copy_outs(self, scheduled: list[tuple[_Tracked, int]], num_tokens: int) -> list[BlockCopy]:
+    def _copy_outs(self, scheduled: list[tuple[_Tracked, int]], num_tokens: int, saving: set[str]) -> list[BlockCopy]:
         predicted = self.config.cost_model.latency_s(num_tokens, 0)
         budget = copy_budget(
             predicted, self.settings.copy_budget_fraction, self.bandwidth_bytes_per_s, self.block_bytes
@@ -285,12 +334,19 @@ class OffloadPlanner:
                 if slot is None and handoff is None:
                     continue
                 saves.append(BlockCopy(tracked.block_ids[index], -1 if slot is None else slot, handoff))
+                saving.add(tracked.request.request_id)
                 budget -= 1
         return saves
 
 
 class OffloadWorker:
-    """Worker-side copies between vLLM's paged KV cache and the host pool / handoff directory."""
+    """Worker-side copies between vLLM's paged KV cache and the host pool / handoff directory.
+
+    Three paths, chosen at ``register`` by vLLM's cache tensors: CUDA caches go through
+    ``DeviceKVCopier`` (pinned pool, one copy stream, device-side waits); CPU caches with the block
+    dimension first and contiguous through numpy memcpys on the background thread; any other CPU layout
+    through torch index copies on the same thread (the CPU schedule, not the copier's inline mode).
+    """
 
     def __init__(self, settings: KVSettings, *, capacity: int, rank: int, produce: bool) -> None:
         self.settings = settings
@@ -305,6 +361,7 @@ class OffloadWorker:
         self._block_shape: tuple[int, ...] = ()
         self._np_caches: list[np.ndarray] | None = None  # byte views of vLLM's caches (CPU)
         self._np_host: np.ndarray | None = None  # byte view of the host pool (CPU)
+        self._copier: DeviceKVCopier | None = None  # CUDA caches
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coserve-kv")
         self._futures: list[Future[None]] = []
         self._layer_loads: dict[int, Future[None]] = {}
@@ -319,8 +376,12 @@ class OffloadWorker:
         self._reported: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        """vLLM hands over its KV cache tensors once, at start-up: allocate the host pool to match."""
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, streams: CopyStreams | None = None) -> None:
+        """vLLM hands over its KV cache tensors once, at start-up: allocate the host pool to match.
+
+        ``streams``: run the CUDA path (``DeviceKVCopier``) with these stream operations, whatever the
+        caches' device (tests drive it on CPU tensors this way); by default CUDA caches only take it.
+        """
         import torch
 
         self._layers = list(kv_caches)
@@ -333,7 +394,11 @@ class OffloadWorker:
         self._block_dim = dims[0]
         block_shape = first.select(self._block_dim, 0).shape
         self._block_shape = tuple(block_shape)
-        if self.capacity:
+        if first.is_cuda or streams is not None:
+            # the pinned, page-touched pool is the copier's (layer-major as below)
+            self._copier = DeviceKVCopier(self._caches, self._block_dim, self.capacity, streams)
+            self._host = self._copier.host
+        elif self.capacity:
             # layer-major: one layer's slot is one contiguous run of bytes
             self._host = torch.empty(
                 (len(self._caches), self.capacity, *block_shape), dtype=first.dtype, pin_memory=first.is_cuda
@@ -343,7 +408,7 @@ class OffloadWorker:
             self._host.zero_()
         # On the CPU, copies are single memcpys through numpy (byte views): torch would split each one
         # across the OpenMP threads the forward is using, and wait for them.
-        if not first.is_cuda and self._block_dim == 0 and all(c.is_contiguous() for c in self._caches):
+        if self._copier is None and self._block_dim == 0 and all(c.is_contiguous() for c in self._caches):
             self._np_caches = [c.view(torch.uint8).numpy() for c in self._caches]
             self._np_host = self._host.view(torch.uint8).numpy() if self._host is not None else None
         logger.info(
@@ -354,7 +419,7 @@ class OffloadWorker:
             first.dtype,
             (self._host.numel() * self._host.element_size() / 2**20) if self._host is not None else 0.0,
             self.settings.handoff_backend,
-            "memcpy" if self._np_caches is not None else "torch",
+            "cuda stream" if self._copier is not None else "memcpy" if self._np_caches is not None else "torch",
         )
 
     @property
@@ -366,6 +431,9 @@ class OffloadWorker:
 
     def begin(self, plan: StepPlan) -> None:
         """Before the forward: an abandoned step's copies are finished or dropped before slots are reused."""
+        if self._copier is not None:
+            self._begin_cuda(plan, self._copier)
+            return
         self._drain()
         self._plan = plan
         self._layer_loads = {}
@@ -381,6 +449,11 @@ class OffloadWorker:
 
     def wait_layer(self, layer_name: str) -> None:
         """Before layer L's attention: wait for its KV, and start copying layer L+1's."""
+        if self._copier is not None:
+            layer = self._index.get(layer_name)
+            if layer is not None:
+                self._copier.wait_layer(layer)
+            return
         if not self._layer_loads:
             return
         layer = self._index.get(layer_name)
@@ -408,9 +481,75 @@ class OffloadWorker:
         """
         plan = self._plan
         self._plan = StepPlan()
+        if self._copier is not None:
+            self._end_cuda(plan.saves, self._copier)
+            return
         self._loaded(plan)
         if plan.saves:
             self._futures.append(self._thread.submit(self._save_step, plan.saves))
+
+    # -- CUDA: DeviceKVCopier ----------------------------------------------------------------------------
+
+    def _begin_cuda(self, plan: StepPlan, copier: DeviceKVCopier) -> None:
+        """Order the forward after the copy-outs it must not overlap, then queue every layer's reload."""
+        import torch
+
+        self._collect()
+        copier.begin(plan.fence_saves)
+        self._plan = plan
+        pooled = [(c.device_block, c.slot) for c in plan.loads if c.handoff is None]
+        handoffs = [c for c in plan.loads if c.handoff is not None]
+        staged: torch.Tensor | None = None
+        readable: list[BlockCopy] = []
+        if handoffs:
+            raw, readable = self._read_handoff(handoffs)
+            # a file the prefiller dropped meanwhile: vLLM recomputes those blocks (get_block_ids_with_load_errors)
+            self.load_errors |= {c.device_block for c in handoffs if c not in readable}
+            if readable:
+                by_block = torch.from_numpy(raw).view(self._caches[0].dtype)
+                staged = by_block.view(len(readable), len(self._caches), *self._block_shape).transpose(0, 1)
+        copier.issue_loads(pooled, [c.device_block for c in readable], staged)
+
+    def _end_cuda(self, saves: list[BlockCopy], copier: DeviceKVCopier) -> None:
+        """Queue the step's copy-outs on the copy stream; a producer's handoff files follow on the thread."""
+        # The handoff writer reads pool slots these copy-outs may rewrite (a slot evicted and reused).
+        self._drain()
+        pooled = [(c.device_block, c.slot) for c in saves if c.slot >= 0]
+        handoff_only = [c for c in saves if c.slot < 0 and c.handoff is not None] if self.produce else []
+        batch = copier.issue_saves(pooled, [c.device_block for c in handoff_only])
+        if batch is not None and self.produce and any(c.handoff is not None for c in saves):
+            self._futures.append(self._thread.submit(self._write_handoff_cuda, saves, handoff_only, batch))
+
+    def _write_handoff_cuda(self, saves: list[BlockCopy], handoff_only: list[BlockCopy], batch: SaveBatch) -> None:
+        import torch
+
+        batch.synchronize()
+        position = {id(copy): index for index, copy in enumerate(handoff_only)}
+
+        def payload(copy: BlockCopy) -> bytes:
+            if copy.slot >= 0 and self._host is not None:
+                block = self._host[:, copy.slot]
+            elif batch.extra is not None and id(copy) in position:
+                block = batch.extra[:, position[id(copy)]]
+            else:
+                raise ValueError(f"block {copy.device_block} was not copied out")
+            return bytes(block.contiguous().view(torch.uint8).numpy().tobytes())
+
+        self._write_handoff(saves, payload)
+
+    def _collect(self) -> None:
+        """Count the copier's batches the device has finished (bytes with their seconds, so they match)."""
+        if self._copier is None:
+            return
+        done = self._copier.completed()
+        if not done:
+            return
+        with self._lock:
+            for key, num_bytes, seconds in done:
+                self.stats[key] += num_bytes
+                self.stats["copy_s"] += seconds
+                self.step_copy_s.append(seconds)
+            self._copy_s_reported = self.stats["copy_s"]
 
     def _loaded(self, plan: StepPlan) -> None:
         if plan.loads:
@@ -423,13 +562,17 @@ class OffloadWorker:
         for layer in range(len(self._caches)):
             self._save_layer(layer, saves)
         if self.produce:
-            self._write_handoff(saves)
+            self._write_handoff(saves, self._block_bytes_of)
         with self._lock:
             self.step_copy_s.append(self.stats["copy_s"] - started)
             self._copy_s_reported = self.stats["copy_s"]
 
     def take_stats(self) -> dict[str, Any] | None:
-        """Counters since the last call and each copying step's copy time; ``None`` when nothing happened."""
+        """Counters since the last call and each copying step's copy time; ``None`` when nothing happened.
+
+        On CUDA a batch of copies counts once the device has finished it (its bytes and its copy-stream
+        time together), so a step's copies may show in a later call."""
+        self._collect()
         with self._lock:
             delta = stats_delta(self.stats, self._reported)
             self._reported = dict(self.stats)
@@ -440,6 +583,9 @@ class OffloadWorker:
 
     def close(self) -> None:
         self._drain()
+        if self._copier is not None:
+            self._copier.synchronize()
+            self._collect()
         self._thread.shutdown(wait=True)
 
     # -- copies (on the background thread) -------------------------------------------------------------
@@ -472,7 +618,7 @@ class OffloadWorker:
             self._count("bytes_reloaded", moved, started)
 
     def _torch_load(self, layer: int, pooled: list[BlockCopy], handoffs: list[BlockCopy]) -> int:
-        """Reload on CUDA (or an unusual layout): batched index copies."""
+        """Reload into a CPU cache of an unusual layout: batched index copies."""
         import torch
 
         cache = self._caches[layer]
@@ -523,7 +669,7 @@ class OffloadWorker:
         layers = [c.select(self._block_dim, copy.device_block).to("cpu").contiguous() for c in self._caches]
         return b"".join(layer.view(torch.uint8).numpy().tobytes() for layer in layers)
 
-    def _write_handoff(self, saves: list[BlockCopy]) -> None:
+    def _write_handoff(self, saves: list[BlockCopy], payload_of: Callable[[BlockCopy], bytes]) -> None:
         """Each block, all layers, to its file (written, then renamed into place), within the byte bound."""
         directory = Path(self.settings.handoff_path)
         directory.mkdir(parents=True, exist_ok=True)
@@ -532,7 +678,7 @@ class OffloadWorker:
                 continue
             path = handoff_file(str(directory), copy.handoff, self.rank)
             partial = path.with_suffix(f".tmp{os.getpid()}")
-            payload = self._block_bytes_of(copy)
+            payload = payload_of(copy)
             partial.write_bytes(payload)
             os.replace(partial, path)
             self._written[path] = len(payload)
