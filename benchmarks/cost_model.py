@@ -48,7 +48,7 @@ from _harness import say, write_result
 from coserve.engine.profiler import ProfilerConfig, default_model_cache, run_profile
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 from coserve.scheduling import CostSample, fit_cost_model
-from coserve.scheduling.profile_fit import hold_out_interior
+from coserve.scheduling.cost_model import hold_out_interior
 
 TARGET_WORST = 0.15
 TARGET_R2 = 0.95

@@ -56,4 +56,5 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "torch_safepoint_overhead_cuda": ("benchmarks/gpu/torch_check.py",),
     "torch_decode_graphs_cuda": ("benchmarks/gpu/torch_check.py",),
     "torch_kv_offload_cuda": ("benchmarks/gpu/torch_check.py",),
+    "torch_cost_model_cuda": ("benchmarks/gpu/torch_check.py",),
 }

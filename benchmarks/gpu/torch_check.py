@@ -30,6 +30,13 @@ What it writes (``--out``, default ``benchmarks/results``):
   bytes equal what was saved; and the throughput cost of copying all of each 16k-token prefill step's KV
   out while the next step computes, in interleaved ABBA pairs against no copies. Target: upper 95 % bound
   of that cost <= 1 %.
+- ``torch_cost_model_cuda``: a step-cost grid of this device (prefills of 128 to 16k tokens, chunks over
+  2k and 8k of context, decode batches of 1 to 256 requests at 512 to 8k of context each, replayed as
+  full CUDA graphs) and coserve's cost model fitted to it (``coserve.scheduling.cost_model``: the attention
+  term per request), every other interior point of each sweep held out; the same fit with the attention
+  over the batch's totals as the baseline. Target: held-out worst error <= 15 %.
+
+All parts take about 5 minutes on an H200 (``--only prefill|decode|offload|cost`` runs one).
 
 ``--smoke`` runs the same code on a CPU with a 4-layer model and a handful of trials (CI runs it): the
 figures mean nothing there, the plumbing is what it checks. Run on a GPU machine from the project root:
@@ -48,6 +55,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +78,7 @@ from coserve.engine.layer_safepoints import (  # noqa: E402
     StepPreempted,
 )
 from coserve.engine.safepoint import SafepointBoard  # noqa: E402
+from coserve.scheduling.cost_model import CostSample, fit_cost_model, hold_out_interior  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,14 @@ class Model:
             for _ in range(shape.layers)
         ]
 
-    def forward(self, x: torch.Tensor, safepoints: LayerSafepoints | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        safepoints: LayerSafepoints | None,
+        context: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One step over ``x``; ``context``, (K, V) of earlier tokens each layer also attends to (a prefill chunk:
+        the new tokens attend to all of it, a non-causal approximation of the chunk's own causal mask)."""
         s = self.shape
         batch, tokens, _ = x.shape
         for index, (w_qkv, w_o, w_gate_up, w_down) in enumerate(self.layers):
@@ -119,7 +135,11 @@ class Model:
             v = v.view(batch, tokens, s.kv_heads, s.head_dim).transpose(1, 2)
             if safepoints is not None:
                 safepoints.check(f"layers.{index}")  # wait_for_layer_load: before attention
-            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if context is None:
+                attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                keys, values = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
+                attention = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
             if safepoints is not None:
                 safepoints.check(f"layers.{index}")  # save_kv_layer: after attention
             x = x + attention.transpose(1, 2).reshape(batch, tokens, -1) @ w_o
@@ -231,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a 4-layer model on the CPU, a few trials")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--only", choices=["prefill", "decode", "offload"], help="one part (default: all)")
+    parser.add_argument("--only", choices=["prefill", "decode", "offload", "cost"], help="one part (default: all)")
     parser.add_argument("--trials", type=int, default=None, help="aborts in the bounded arm (default 240)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop the overhead pairs by then")
     args = parser.parse_args(argv)
@@ -256,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             decode(check, args, facts)
         if args.only in (None, "offload"):
             offload(check, args, facts)
+        if args.only in (None, "cost"):
+            cost(check, args, facts)
     finally:
         check.close()
     return 0
@@ -619,6 +641,97 @@ def offload(check: Check, args: argparse.Namespace, facts: dict[str, Any]) -> No
     write(args.out, document)
     if not equal:
         raise RuntimeError("torch_check: reloaded KV differs from what was copied out")
+
+
+def cost(check: Check, args: argparse.Namespace, facts: dict[str, Any]) -> None:
+    """A step-cost grid on this device and coserve's cost model fitted to it (``fit_cost_model``).
+
+    Prefills of one request, chunks over earlier context, and decode batches (B requests at c tokens of
+    context each; full CUDA graphs, as vLLM replays uniform decode steps). Every other interior point of
+    each sweep is held out (``hold_out_interior``); the attention term per request is compared with the
+    same fit over the batch's totals.
+    """
+    model, s, device = check.model, check.model.shape, check.device
+    dtype = check.x.dtype
+    if args.smoke:
+        prefills, chunks = (16, 32, 64, 128), ((32, 64), (32, 128), (64, 64), (64, 128))
+        batches, contexts, repeats = (1, 2, 4), (32, 64, 128), 3
+    else:
+        prefills = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+        chunks = ((512, 2048), (512, 8192), (2048, 2048), (2048, 8192))
+        batches, contexts, repeats = (1, 8, 32, 64, 128, 256), (512, 2048, 8192), 7
+
+    def timed(run: Callable[[], object]) -> float:
+        for _ in range(2):
+            run()
+        times = []
+        for _ in range(repeats):
+            check.sync()
+            started = time.perf_counter()
+            run()
+            check.sync()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    samples: list[CostSample] = []
+    rows: list[dict[str, Any]] = []
+
+    def add(kind: str, sample: CostSample) -> None:
+        samples.append(sample)
+        rows.append({"kind": kind, "requests": sample.requests, "P": sample.new_tokens, "C": sample.context_tokens,
+                     "ms": sample.latency_s * 1e3})  # fmt: skip
+        say(f"cost grid: {kind} B={sample.requests} P={sample.new_tokens} C={sample.context_tokens}: "
+            f"{sample.latency_s * 1e3:.2f} ms")  # fmt: skip
+
+    with torch.inference_mode():
+        for tokens in prefills:
+            x = torch.randn(1, tokens, s.hidden, device=device, dtype=dtype) * 0.1
+            add("prefill", CostSample(tokens, 0, timed(lambda x=x: model.forward(x, None))))
+            del x
+        for tokens, context in chunks:
+            x = torch.randn(1, tokens, s.hidden, device=device, dtype=dtype) * 0.1
+            kv = tuple(torch.randn(1, s.kv_heads, context, s.head_dim, device=device, dtype=dtype) for _ in range(2))
+            add("chunk", CostSample(tokens, context, timed(lambda x=x, kv=kv: model.forward(x, None, kv))))
+            del x, kv
+    for batch in batches:
+        for context in contexts:
+            step = DecodeStep(check, batch, context)
+            add("decode", CostSample(batch, batch * context, timed(lambda step=step: step.run("full")), requests=batch))
+            del step
+    train, holdout = hold_out_interior(samples)
+    report = fit_cost_model(train, holdout)
+    totals = fit_cost_model(
+        [CostSample(x.new_tokens, x.context_tokens, x.latency_s) for x in train],
+        [CostSample(x.new_tokens, x.context_tokens, x.latency_s) for x in holdout],
+    )
+    worst = report.max_relative_error_holdout
+    say(f"cost model: worst held-out error {worst:.1%} (R² {report.r2_holdout:.4f}); over the batch's totals "
+        f"{totals.max_relative_error_holdout:.1%}")  # fmt: skip
+    document = {
+        "benchmark": "torch_cost_model_cuda",
+        "target": "the step cost model (attention per request) predicts held-out steps of this device within 15 %",
+        "met": bool(not args.smoke and worst <= 0.15),
+        "max_relative_error_holdout": worst,
+        "r2_holdout": report.r2_holdout,
+        "r2_train": report.r2_train,
+        "num_train": report.num_train,
+        "num_holdout": report.num_holdout,
+        "coefficients": report.model.to_dict(),
+        "baseline": {
+            "name": "k2·P·(P + C), the attention over the batch's totals, same steps and fit",
+            "max_relative_error_holdout": totals.max_relative_error_holdout,
+            "r2_holdout": totals.r2_holdout,
+            "coefficients": totals.model.to_dict(),
+        },
+        "samples": rows,
+        "setup": {
+            **facts,
+            "split": "hold_out_interior",
+            "repeats": repeats,
+            "decode": "full CUDA graph per step" if device.type == "cuda" else "eager (smoke)",
+        },
+    }
+    write(args.out, document)
 
 
 def write(folder: Path, document: dict[str, Any]) -> None:

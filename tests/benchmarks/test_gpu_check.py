@@ -270,7 +270,8 @@ def test_results_are_written_as_they_come_tagged_cuda(gpu_modules: SimpleNamespa
 
 def test_the_plain_pytorch_gpu_check_runs_its_smoke_mode_on_a_cpu_without_vllm(tmp_path: Path) -> None:
     """benchmarks/gpu/torch_check.py, the check a lent GPU machine can run: its CPU smoke run (the same code
-    with a 4-layer model, the KV offload part included), with every import of vLLM and of the serving stack
+    with a 4-layer model, the KV offload and cost-model parts included), with every import of vLLM, pydantic
+    and the serving stack
     refused, as on that machine (PyTorch and no vLLM), so a broken import or result shape shows before device
     time is spent."""
     script = GPU_DIR / "torch_check.py"
@@ -278,7 +279,7 @@ def test_the_plain_pytorch_gpu_check_runs_its_smoke_mode_on_a_cpu_without_vllm(t
         "import builtins, runpy, sys\n"
         "real = builtins.__import__\n"
         "def guard(name, *args, **kwargs):\n"
-        "    if name.split('.')[0] in ('vllm', 'httpx', 'yaml', 'aiohttp', 'kopf', 'lightkube'):\n"
+        "    if name.split('.')[0] in ('vllm', 'httpx', 'yaml', 'aiohttp', 'kopf', 'lightkube', 'pydantic'):\n"
         "        raise ImportError(f'{name} is not on the GPU machine')\n"
         "    return real(name, *args, **kwargs)\n"
         "builtins.__import__ = guard\n"
@@ -307,3 +308,8 @@ def test_the_plain_pytorch_gpu_check_runs_its_smoke_mode_on_a_cpu_without_vllm(t
     assert offload["overhead"]["n"] >= 4
     assert offload["setup"]["kv_layout"][0] == 2 and offload["setup"]["block_tokens"] == 16  # vLLM's CUDA layout
     assert "src/coserve/engine/kv_copies.py" in offload["code"]["files"]
+    fitted = json.loads((tmp_path / "torch_cost_model_cuda.json").read_text())
+    assert fitted["met"] is False and fitted["num_train"] + fitted["num_holdout"] == len(fitted["samples"]) == 17
+    assert {row["kind"] for row in fitted["samples"]} == {"prefill", "chunk", "decode"}
+    assert 0 < fitted["max_relative_error_holdout"] < 1 and fitted["coefficients"]["k5"] > 0
+    assert "src/coserve/scheduling/cost_model.py" in fitted["code"]["files"]

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coserve.scheduling import CostSample, StepCostModel, fit_cost_model
-from coserve.scheduling.profile_fit import hold_out_interior
+from coserve.scheduling.cost_model import hold_out_interior
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CostSample", "FitReport", "StepCostModel", "fit_cost_model"]
+__all__ = ["CostSample", "FitReport", "StepCostModel", "fit_cost_model", "hold_out_interior"]
 
 
 @dataclass(frozen=True)
@@ -195,3 +195,30 @@ def fit_cost_model(train: Sequence[CostSample], holdout: Sequence[CostSample]) -
         num_train=len(train),
         num_holdout=len(holdout),
     )
+
+
+def hold_out_interior(samples: Sequence[CostSample]) -> tuple[list[CostSample], list[CostSample]]:
+    """Split a measured grid into (train, holdout) so the held-out points lie between trained ones.
+
+    A grid is a set of sweeps: full prefills (C = 0) by P, chunks (C > 0, one request) by (P, C), and
+    each decode batch size's contexts. In every sweep, every other interior point is held out, starting
+    from the second; the ends are always trained on, so the held-out error measures interpolation, as
+    ``coserve.scheduling.profile_fit.ProfileGrid``'s own held-out points do. Used on grids measured
+    elsewhere: the H200 grid in ``data/gpu`` (``benchmarks/cost_model.py``) and the GPU check's own grid
+    (``benchmarks/gpu/torch_check.py``, which must import without pydantic).
+    """
+    sweeps: dict[tuple[str, int], list[CostSample]] = {}
+    for sample in samples:
+        if sample.requests > 1 or (sample.new_tokens == 1 and sample.context_tokens > 0):
+            key = ("decode", sample.requests)
+        else:
+            key = ("prefill" if sample.context_tokens == 0 else "chunk", 1)
+        sweeps.setdefault(key, []).append(sample)
+    train: list[CostSample] = []
+    holdout: list[CostSample] = []
+    for sweep in sweeps.values():
+        ordered = sorted(sweep, key=lambda s: (s.new_tokens, s.context_tokens))
+        for index, sample in enumerate(ordered):
+            interior = 0 < index < len(ordered) - 1
+            (holdout if interior and index % 2 == 1 else train).append(sample)
+    return train, holdout

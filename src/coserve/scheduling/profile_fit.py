@@ -36,7 +36,6 @@ __all__ = [
     "ProfileMeasurements",
     "build_profile",
     "fit_prefill_curve",
-    "hold_out_interior",
     "summary_table",
 ]
 
@@ -201,32 +200,6 @@ def fit_prefill_curve(lengths: Sequence[float], latencies_s: Sequence[float]) ->
     _, best = min(candidates, key=lambda candidate: candidate[0])
     a, b, c = (_rounded(float(v)) for v in best)
     return PrefillLatencyCurve(constant_s=a, per_token_s=b, per_token_squared_s=c)
-
-
-def hold_out_interior(samples: Sequence[CostSample]) -> tuple[list[CostSample], list[CostSample]]:
-    """Split a measured grid into (train, holdout) so the held-out points lie between trained ones.
-
-    A grid is a set of sweeps: full prefills (C = 0) by P, chunks (C > 0, one request) by (P, C), and
-    each decode batch size's contexts. In every sweep, every other interior point is held out, starting
-    from the second; the ends are always trained on, so the held-out error measures interpolation, as
-    ``ProfileGrid``'s own held-out points do. Used on grids measured elsewhere (the H200 grid in
-    ``data/gpu``) by ``benchmarks/cost_model.py`` and the tests.
-    """
-    sweeps: dict[tuple[str, int], list[CostSample]] = {}
-    for sample in samples:
-        if sample.requests > 1 or (sample.new_tokens == 1 and sample.context_tokens > 0):
-            key = ("decode", sample.requests)
-        else:
-            key = ("prefill" if sample.context_tokens == 0 else "chunk", 1)
-        sweeps.setdefault(key, []).append(sample)
-    train: list[CostSample] = []
-    holdout: list[CostSample] = []
-    for sweep in sweeps.values():
-        ordered = sorted(sweep, key=lambda s: (s.new_tokens, s.context_tokens))
-        for index, sample in enumerate(ordered):
-            interior = 0 < index < len(ordered) - 1
-            (holdout if interior and index % 2 == 1 else train).append(sample)
-    return train, holdout
 
 
 def build_profile(measurements: ProfileMeasurements) -> tuple[EngineProfile, FitReport]:
