@@ -18,6 +18,13 @@ What happens when Kubernetes deletes an engine pod (a scale-down, a rollout, a n
    ``terminationGracePeriodSeconds`` is sized above it, so the bound is the hook's,
    not a kill in the middle of a stream.
 
+An engine that answers slowly is busy, not gone: a reading waits for the answer
+as long as the drain may still last, and an answer that is an HTTP error, a
+reset or garbled counts as "alive, count unknown" (the drain keeps waiting).
+Only an engine that is gone (the connection refused: nothing listens on its
+port any more) ends the wait early, after ``quiet-s`` of such readings; the
+bound ends it otherwise.
+
 The decision (``DrainWatch``) is pure; ``main`` only reads vLLM's own ``/metrics``
 (``vllm:num_requests_running`` and ``vllm:num_requests_waiting``) on loopback. The
 hook always exits 0: the kubelet only records a failing hook, and stopping is what
@@ -28,6 +35,8 @@ pod's events when the hook fails, and in the container log here.
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 import time
 import urllib.error
@@ -35,9 +44,14 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["BUSY_METRICS", "DrainWatch", "Verdict", "busy_requests", "main"]
+__all__ = ["BUSY_METRICS", "BUSY_UNKNOWN", "DrainWatch", "Verdict", "busy_requests", "main"]
 
 BUSY_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+# A reading of an engine that is alive but gave no count (too slow for the drain's bound, an HTTP error, a reset
+# connection, a page that does not parse): busy for the drain, which keeps waiting.
+BUSY_UNKNOWN = -1
+# What a refused or unroutable connection says: nothing listens there any more, the engine is gone.
+_GONE_ERRNOS = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL})
 
 
 @dataclass(frozen=True)
@@ -52,9 +66,10 @@ class DrainWatch:
     """Decides when a leaving engine may stop, from successive readings of its busy-request count.
 
     ``observe(now, busy)`` is called once per reading: ``busy`` is running + waiting
-    requests, or ``None`` when the engine did not answer. It returns a ``Verdict``
-    once the engine has been idle (or unreachable: nothing left to wait for) for
-    ``quiet_s`` in a row, or when ``timeout_s`` has passed since ``started``.
+    requests, ``BUSY_UNKNOWN`` when the engine answered without a count (alive:
+    busy), or ``None`` when it is gone (its connection refused). It returns a
+    ``Verdict`` once the engine has been idle (or gone: nothing left to wait for)
+    for ``quiet_s`` in a row, or when ``timeout_s`` has passed since ``started``.
     """
 
     def __init__(self, quiet_s: float, timeout_s: float, started: float) -> None:
@@ -89,11 +104,25 @@ def busy_requests(metrics_text: str) -> int:
 
 
 def _read_busy(url: str, timeout_s: float) -> int | None:
+    """One reading (see ``DrainWatch.observe``): waits up to ``timeout_s`` for the engine's answer."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - the pod's own loopback
             return busy_requests(response.read().decode("utf-8"))
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
+    except urllib.error.HTTPError:
+        return BUSY_UNKNOWN  # it answered, with an error: alive
+    except urllib.error.URLError as error:  # before an answer: gone only if nothing listens
+        return None if _gone(error.reason) else BUSY_UNKNOWN
+    except OSError as error:  # a timeout (slow, not dead), a reset mid-answer
+        return None if _gone(error) else BUSY_UNKNOWN
+    except ValueError:  # a page that does not parse: alive
+        return BUSY_UNKNOWN
+
+
+def _gone(reason: object) -> bool:
+    """Whether a connection error says nothing listens at the engine's address any more."""
+    if isinstance(reason, (ConnectionRefusedError, socket.gaierror)):
+        return True
+    return isinstance(reason, OSError) and not isinstance(reason, TimeoutError) and reason.errno in _GONE_ERRNOS
 
 
 def drain(
@@ -107,20 +136,30 @@ def drain(
     sleep: Callable[[float], None] = time.sleep,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> Verdict:
-    """Poll ``url`` (an engine's ``/metrics``) every ``period_s`` until ``DrainWatch`` says stop."""
+    """Poll ``url`` (an engine's ``/metrics``) every ``period_s`` until ``DrainWatch`` says stop; each reading
+    may wait for the engine's answer as long as the drain may still last."""
     watch = DrainWatch(quiet_s, timeout_s, clock())
     log(f"coserve drain: waiting for {url} to stay idle for {quiet_s:g} s (at most {timeout_s:g} s)")
-    last: int | None = -1
+    last: int | None = -2
     while True:
-        busy = read(url, min(5.0, max(period_s, 1.0)))
+        left = timeout_s - (clock() - watch.started)
+        busy = read(url, max(left, 0.1))
         if busy != last:
-            log(f"coserve drain: {'engine unreachable' if busy is None else f'{busy} requests running or waiting'}")
+            log(f"coserve drain: {_describe(busy)}")
             last = busy
         verdict = watch.observe(clock(), busy)
         if verdict is not None:
             log(f"coserve drain: done after {verdict.waited_s:.1f} s ({verdict.reason})")
             return verdict
         sleep(period_s)
+
+
+def _describe(busy: int | None) -> str:
+    if busy is None:
+        return "engine unreachable (connection refused)"
+    if busy == BUSY_UNKNOWN:
+        return "engine alive, no count (slow, an error or a reset): waiting"
+    return f"{busy} requests running or waiting"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
