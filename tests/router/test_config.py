@@ -65,6 +65,7 @@ def test_defaults() -> None:
     assert (config.tenants, config.anonymous_class, config.offline) == ({}, None, {})
     assert (config.max_body_bytes, config.pin_ttl_s, config.max_pins) == (8 << 20, 1800.0, 100_000)
     assert (config.decoder_full, config.poll_s, config.decoder_failures) == (0.9, 1.0, 3)
+    assert (config.pin_drop_failures, config.pin_drop_window_s) == (3, 30.0)
     assert (config.upstream_timeout_s, config.kv_transfer_params, config.placement) == (600.0, False, "conversation")
     assert (config.batch_dir, config.prefill_latency) == (None, None)
 
@@ -87,6 +88,8 @@ def test_every_key_is_read() -> None:
         "decoderFull": 0.5,
         "pollS": 0.25,
         "decoderFailures": 5,
+        "pinDropFailures": 2,
+        "pinDropWindowS": 10,
         "upstreamTimeoutS": 30,
         "kvTransferParams": True,
         "placement": "turn",
@@ -105,6 +108,7 @@ def test_every_key_is_read() -> None:
     assert (config.tenants, config.anonymous_class) == ({"sk-team-a": "gold"}, "gold")
     assert (config.max_body_bytes, config.pin_ttl_s, config.max_pins) == (4096, 60.0, 10)
     assert (config.decoder_full, config.poll_s, config.decoder_failures) == (0.5, 0.25, 5)
+    assert (config.pin_drop_failures, config.pin_drop_window_s) == (2, 10.0)
     assert (config.upstream_timeout_s, config.kv_transfer_params, config.placement) == (30.0, True, "turn")
     assert (config.batch_dir, config.batch_lock, config.prefill_latency) == ("/b", "lease", (0.01, 1e-4, 1e-9))
     assert isinstance(config.pin_ttl_s, float) and isinstance(config.prefill_latency, tuple)
@@ -156,6 +160,8 @@ def test_every_problem_is_reported_at_once() -> None:
         ("decoderFull", 0.05, 1.0, 0.01),
         ("pollS", 0.05, 1.0, 0.01),
         ("decoderFailures", 1, None, 1),
+        ("pinDropFailures", 1, 1000, 1),
+        ("pinDropWindowS", 1.0, 3600.0, 0.01),
         ("upstreamTimeoutS", 1.0, 86400.0, 0.01),
     ],
 )

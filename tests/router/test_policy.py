@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coserve.router.policy import (
+    MAX_CONVERSATION_ID_BYTES,
     EngineLoad,
+    InvalidConversationId,
     PinTable,
+    canonical_conversation_id,
     choose_decoder,
     choose_gain_oriented,
     conversation_id,
@@ -44,6 +50,44 @@ def test_conversation_identity(headers: dict[str, str], a: dict[str, Any], b: di
 def test_an_explicit_id_wins_over_the_hash() -> None:
     assert conversation_id({}, {"conversation_id": "abc", "messages": TURN1}) == "abc"
     assert conversation_id({"x-conversation-id": "h"}, {"conversation_id": "abc"}) == "h"
+    assert conversation_id({}, {"conversation_id": None, "prompt": "a"}).startswith("h-")  # null: no id
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "field"),
+    [
+        ({}, {"conversation_id": 7}, "conversation_id"),
+        ({}, {"conversation_id": ["a"]}, "conversation_id"),
+        ({}, {"conversation_id": False}, "conversation_id"),
+        ({}, {"conversation_id": ""}, "conversation_id"),
+        ({"x-conversation-id": ""}, {"conversation_id": "abc"}, "x-conversation-id"),
+    ],
+)
+def test_an_id_that_names_nothing_is_an_error_naming_where_it_was(
+    headers: dict[str, str], body: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(InvalidConversationId) as raised:
+        conversation_id(headers, body)
+    assert raised.value.field == field and field in str(raised.value)
+
+
+PRINTABLE = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1, max_size=300)
+
+
+@given(st.one_of(PRINTABLE, st.text(max_size=400), st.binary(max_size=400).map(lambda b: b.decode("latin-1"))))
+def test_ids_are_bounded_printable_ascii_and_the_same_bytes_give_the_same_id(text: str) -> None:
+    raw = text.encode("utf-8", "surrogatepass")
+    if not raw:
+        return
+    from_body = conversation_id({}, {"conversation_id": text})
+    # the header as an ASGI server hands it over: the same bytes, decoded latin-1
+    from_header = conversation_id({"x-conversation-id": raw.decode("latin-1")}, {})
+    assert from_body == from_header == canonical_conversation_id(raw)
+    assert len(from_body) <= MAX_CONVERSATION_ID_BYTES and from_body.isascii() and from_body.isprintable()
+    assert from_body == from_body.strip()  # what an HTTP server hands the engine is what the router looks up
+    kept = len(raw) <= MAX_CONVERSATION_ID_BYTES and text.isascii() and text.isprintable() and text == text.strip()
+    assert from_body == (text if kept else "sha256:" + hashlib.sha256(raw).hexdigest())
+    assert canonical_conversation_id(from_body.encode()) == from_body  # canonical ids are fixed points
 
 
 @pytest.mark.parametrize(
@@ -163,6 +207,30 @@ def test_an_engine_is_down_after_consecutive_failed_polls_only() -> None:
     for _ in range(3):
         engine.failed(allowed=3)
     assert not engine.healthy
+
+
+@pytest.mark.parametrize(
+    ("failures_at", "answered_after", "lost_at"),
+    [
+        ([0, 1, 2], None, 2),  # three in a row within 30 s: lost at the third
+        ([0, 1, 2], 1, None),  # an answer after the second: the count starts again
+        ([0, 20, 40, 45], None, 3),  # 0 has left the window by 40: lost at 45 (20, 40, 45)
+        ([0, 31, 62, 93], None, None),  # never three within 30 s
+        ([0, 10, 30], None, 2),  # 30 s apart exactly is within the window
+    ],
+)
+def test_a_decoder_is_lost_after_failed_forwards_in_a_row_within_the_window(
+    failures_at: list[float], answered_after: int | None, lost_at: int | None
+) -> None:
+    engine = load("d", 0.1)
+    lost = None
+    for index, now in enumerate(failures_at):
+        if engine.forward_failed(now, allowed=3, window_s=30.0) and lost is None:
+            lost = index
+        if index == answered_after:
+            engine.forward_answered()
+    assert lost == lost_at
+    assert engine.healthy is (lost_at is None)
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,20 @@ tests build it with ``build_app``. The decisions are ``coserve.router.policy``'s
 
 Per request to ``/v1/chat/completions`` or ``/v1/completions``:
 
-1. the body is read (at most ``maxBodyBytes``: 413) and checked (400/404 with an
-   OpenAI error body naming the field);
+1. the body is read (at most ``maxBodyBytes``: 413), loses every engine-internal
+   field a client set (``kv_transfer_params``, ``ec_transfer_params``: with vLLM's
+   NixlConnector they name the host, port and blocks a decoder pulls KV from;
+   and every ``coserve_*`` key of ``vllm_xargs``), and is checked (400/404 with
+   an OpenAI error body naming the field); the only transfer parameters an
+   engine sees are the router's own (the prefill's ``do_remote_decode``) or the
+   prefiller's answer's, and the only ``coserve_*`` key is the router's class;
 2. its class: what it asks for, capped at its tenant's (``Authorization: Bearer``
    key in ``tenants``); forwarded as ``vllm_xargs.coserve_class`` with the
    class's ``ttft_slo_ms`` and ``tpot_slo_ms`` (a client may relax them, never
    tighten them);
-3. its conversation: pinned to a decoder already (in this replica's pin table,
+3. its conversation (``policy.conversation_id``: a client's id is canonical,
+   bounded printable ASCII or its ``sha256:`` digest; an empty or non-string id
+   is a 400): pinned to a decoder already (in this replica's pin table,
    or, when this replica holds no pin, found by asking the decoders which holds
    it: every decoder records the conversations the router sends it, so a turn
    lands on its decoder whatever router replica it reaches and however many
@@ -20,10 +27,15 @@ Per request to ``/v1/chat/completions`` or ``/v1/completions``:
    prefilled on one (``max_tokens`` 1, ``kv_transfer_params`` asking for a remote
    decode) so the decoder loads its KV instead of computing it; then it is
    pinned to the decoder with the lowest KV occupancy;
-4. the decoder's answer is passed through as it comes (SSE chunks unbuffered).
-   A decoder that cannot be reached before anything was sent to the client is
-   marked down, its conversations lose their pins, and the request is retried
-   once on another decoder (a re-placement): never silently dropped.
+4. the decoder's answer is passed through as it comes: a stream is parsed with
+   httpx-sse's SSE parser and each event is sent on as soon as it is complete
+   (the usage event is read for the token counts, and dropped when the client
+   did not ask for it). A decoder that fails a request before anything was sent
+   to the client (HTTP 502/503/504, a connection error) has the request retried
+   once on another decoder, re-placing and re-pinning that conversation alone:
+   never silently dropped. The failure is counted; a decoder is down and its
+   conversations lose their pins only after ``pinDropFailures`` failures in a
+   row within ``pinDropWindowS`` (an answered request resets the count).
 
 Engines are polled every ``pollS`` for ``vllm:kv_cache_usage_perc``,
 ``vllm:num_requests_waiting`` and their KV capacity (``vllm:cache_config_info``),
@@ -56,6 +68,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
+import httpx
+from httpx_sse import EventSource, ServerSentEvent
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
@@ -70,6 +84,7 @@ from coserve.router.policy import (
     PROMPT_PREFIX_CHARS,
     PROMPT_PREFIX_TOKENS,
     EngineLoad,
+    InvalidConversationId,
     Pin,
     PinTable,
     choose_decoder,
@@ -85,6 +100,9 @@ __all__ = ["Router", "RouterApp", "build_app", "error_response"]
 logger = logging.getLogger("coserve.router")
 
 _RETRYABLE = {502, 503, 504}
+# Fields only the router creates (or copies from a prefiller's answer): with vLLM's NixlConnector the transfer
+# parameters name the host, port, engine and blocks a decoder pulls KV from (from a client: an SSRF).
+ENGINE_INTERNAL_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 # The pool's router token (coserve.engine.validation checks it): engines trust a request's class only with it.
 ROUTER_TOKEN_FILE_ENV = "COSERVE_ROUTER_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
 ROUTER_TOKEN_HEADER = "x-coserve-router-token"  # noqa: S105 - a header's name, not a secret
@@ -127,7 +145,7 @@ class _Metrics:
         )
         self.tbt = Histogram(
             "coserve_router_tbt_seconds",
-            "Time between streamed chunks.",
+            "Time between streamed events.",
             registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
         )
@@ -391,6 +409,7 @@ class Router:
         body, problem = await self._read_json(request)
         if body is None:
             return problem or error_response(400, "no body")
+        _drop_engine_fields(body)  # before anything else reads the body
         checked = self._check(body, endpoint)
         if checked is not None:
             return checked
@@ -412,8 +431,11 @@ class Router:
             cls = class_for(self.config.classes, tenant, asked, priority)
         except InvalidRequestClass as error:
             return error_response(400, str(error), "vllm_xargs.coserve_class")
-        conversation = conversation_id(request.headers, body)  # before the body's own field is dropped
-        named = bool(request.headers.get("x-conversation-id") or body.get("conversation_id"))
+        try:
+            conversation = conversation_id(request.headers, body)  # before the body's own field is dropped
+        except InvalidConversationId as error:
+            return error_response(400, error.reason, error.field)
+        named = request.headers.get("x-conversation-id") is not None or body.get("conversation_id") is not None
         body.pop("priority", None)
         body.pop("conversation_id", None)
         slos = {}
@@ -425,7 +447,7 @@ class Router:
                                       f"vllm_xargs.{key}")  # fmt: skip
             # a client may relax its class's SLO, never tighten it: a tighter deadline is a higher priority
             slos[key] = max(float(asked_ms), floor_ms) if asked_ms is not None else floor_ms
-        body["vllm_xargs"] = {**xargs, "coserve_class": cls.name, **slos}
+        body["vllm_xargs"] = {**_client_xargs(xargs), "coserve_class": cls.name, **slos}
         return await self._route(endpoint, body, conversation, cls.name, cls.ttft_slo_s, arrived, named)
 
     def has_spare_capacity(self, spare: float = 0.5) -> bool:
@@ -434,17 +456,28 @@ class Router:
 
     async def run_offline(self, endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:
         """One batch line through the same checks and placement as online traffic, at the lowest class."""
+        _drop_engine_fields(body)  # before anything else reads the line
         body.setdefault("model", self.config.model)
         body["stream"] = False
         problem = self._check(body, endpoint)
         if problem is not None:
             return problem.status_code, bytes(problem.body)
+        xargs = body.get("vllm_xargs") or {}
+        if not isinstance(xargs, dict):
+            problem = error_response(400, "must be an object", "vllm_xargs")
+            return problem.status_code, bytes(problem.body)
+        try:
+            conversation = conversation_id({}, body)
+        except InvalidConversationId as error:
+            problem = error_response(400, error.reason, error.field)
+            return problem.status_code, bytes(problem.body)
         lowest = max((self.config.classes.get(n) for n in self.config.classes.names), key=lambda c: c.rank)
         slos = {"ttft_slo_ms": lowest.ttft_slo_s * 1000, "tpot_slo_ms": lowest.tpot_slo_s * 1000}
-        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "coserve_class": lowest.name, **slos}
+        body["vllm_xargs"] = {**_client_xargs(xargs), "coserve_class": lowest.name, **slos}
         body.pop("priority", None)
+        body.pop("conversation_id", None)
         arrived = self.clock()
-        response = await self._route(endpoint, body, conversation_id({}, body), lowest.name, lowest.ttft_slo_s, arrived)
+        response = await self._route(endpoint, body, conversation, lowest.name, lowest.ttft_slo_s, arrived)
         return response.status_code, bytes(response.body)
 
     async def _read_json(self, request: _Body) -> tuple[dict[str, Any] | None, Response | None]:
@@ -532,11 +565,25 @@ class Router:
             try:
                 return await self._forward(decoder, path, body, cls, slo_s, arrived, pin.first_arrival_s, conversation)
             except _Unavailable as failure:
-                logger.warning("decoder %s failed (%s): re-placing conversation %s", decoder.url, failure, conversation)
-                decoder.healthy = False
-                self.pins.drop_decoder(decoder.url)
                 tried.add(decoder.url)
+                self._forward_failed(decoder, failure, conversation)
         return error_response(502, "the decoders failed to answer; the request was tried twice")
+
+    def _forward_failed(self, decoder: EngineLoad, failure: _Unavailable, conversation: str | None = None) -> None:
+        """A request failed on ``decoder`` before anything reached the client: counted; the decoder is down and
+        its conversations lose their pins only once that confirms it lost (``pinDropFailures`` in a row
+        within ``pinDropWindowS``). The caller retries the request elsewhere (and re-pins its conversation)."""
+        config = self.config
+        if decoder.forward_failed(self.clock(), config.pin_drop_failures, config.pin_drop_window_s):
+            dropped = self.pins.drop_decoder(decoder.url)
+            logger.warning(
+                "decoder %s failed %d requests in a row within %g s (last: %s): down, %d conversations lose "
+                "their pins", decoder.url, config.pin_drop_failures, config.pin_drop_window_s, failure, dropped,
+            )  # fmt: skip
+        elif conversation is not None:
+            logger.warning("decoder %s failed (%s): re-placing conversation %s", decoder.url, failure, conversation)
+        else:
+            logger.warning("decoder %s failed (%s): retrying the request elsewhere", decoder.url, failure)
 
     async def _route_request(self, path: str, body: dict[str, Any], cls: str, slo_s: float, arrived: float) -> Response:
         """The per-request baseline: the least-occupied decoder computes what it lacks; nothing is pinned."""
@@ -550,9 +597,9 @@ class Router:
             decoder.admitted_tokens += _estimate_tokens(body)
             try:
                 return await self._forward(decoder, path, body, cls, slo_s, arrived, arrived)
-            except _Unavailable:
-                decoder.healthy = False
+            except _Unavailable as failure:
                 tried.add(decoder.url)
+                self._forward_failed(decoder, failure)
         return error_response(503, "no decoder can take the request now (all full or down); retry shortly")
 
     async def _prefill(self, path: str, body: dict[str, Any], slo_s: float, count_input: bool = True) -> dict[str, Any]:
@@ -614,17 +661,20 @@ class Router:
         if response.status in _RETRYABLE:
             response.release()
             raise _Unavailable(f"HTTP {response.status}")
-        out_headers = {"content-type": response.headers.get("content-type", "application/json")}
-        if not streaming:
+        content_type = response.headers.get("content-type", "application/json")
+        out_headers = {"content-type": content_type}
+        if not streaming or not content_type.startswith("text/event-stream"):  # an error answers a stream in JSON
             try:
                 content = await response.read()
             except (TimeoutError, aiohttp.ClientError) as error:
                 raise _Unavailable(str(error) or type(error).__name__) from error
             finally:
                 response.release()
+            decoder.forward_answered()
             self._observe(cls, slo_s, arrived, first_arrival)
             self._count_usage(content, cls)
             return Response(content, response.status, headers=out_headers)
+        decoder.forward_answered()
         return StreamingResponse(
             self._relay(response, cls, slo_s, arrived, first_arrival, wants_usage), response.status, headers=out_headers
         )
@@ -633,30 +683,30 @@ class Router:
         self, response: aiohttp.ClientResponse, cls: str, slo_s: float, arrived: float, first_arrival: float,
         pass_usage: bool = True,
     ) -> AsyncIterator[bytes]:  # fmt: skip
-        """The decoder's SSE stream, passed through as it comes; the final usage event is read for the token
-        counts and dropped when the client did not ask for it (the router asked on its behalf)."""
+        """The decoder's SSE stream, each event sent on as soon as httpx-sse's parser has it complete (never
+        held for the next read); the final usage event is read for the token counts and dropped when the client
+        did not ask for it (the router asked on its behalf)."""
         last: float | None = None
-        pending = b""  # the start of an event whose end has not arrived yet
+        last_id = ""
+        body = httpx.Response(
+            response.status, headers={"content-type": response.headers.get("content-type", "")},
+            stream=_UpstreamBytes(response.content),
+        )  # fmt: skip
         try:
-            async for chunk in response.content.iter_any():
-                now = self.clock()
-                if last is None:
-                    self._observe(cls, slo_s, arrived, first_arrival)
-                else:
-                    self.metrics.tbt.observe(now - last)
-                last = now
-                if b'"usage"' not in chunk and not pending:
-                    yield chunk  # the hot path: a token event, untouched
-                    continue
-                pending += chunk
-                complete, _, pending = pending.rpartition(b"\n\n")
-                if not complete:
-                    continue
-                kept = [e for e in complete.split(b"\n\n") if not self._usage_event(e, cls) or pass_usage]
-                if kept:
-                    yield b"\n\n".join(kept) + b"\n\n"
-            if pending:
-                yield pending
+            async with contextlib.aclosing(EventSource(body).aiter_sse()) as events:
+                async for sse in events:
+                    now = self.clock()
+                    if last is None:
+                        self._observe(cls, slo_s, arrived, first_arrival)
+                    else:
+                        self.metrics.tbt.observe(now - last)
+                    last = now
+                    if self._usage_event(sse.data, cls) and not pass_usage:
+                        continue
+                    encoded = _encode_event(sse, last_id)
+                    last_id = sse.id
+                    if encoded:
+                        yield encoded
         except (TimeoutError, aiohttp.ClientError) as error:
             # the client already has part of the answer: end the stream with an error event, not silence
             message = json.dumps({"error": {"message": f"the decoder failed mid-answer: {error}", "code": 502}})
@@ -664,16 +714,16 @@ class Router:
         finally:
             response.release()
 
-    def _usage_event(self, event: bytes, cls: str) -> bool:
-        """Whether ``event`` is vLLM's closing usage event (no choices); counts its tokens if so."""
-        if b'"usage"' not in event or not event.startswith(b"data: {"):
+    def _usage_event(self, data: str, cls: str) -> bool:
+        """Whether an event's ``data`` is vLLM's closing usage event (no choices); counts its tokens if so."""
+        if '"usage"' not in data or not data.startswith("{"):
             return False
         try:
-            data = json.loads(event[6:])
+            parsed = json.loads(data)
         except ValueError:
             return False
-        usage = data.get("usage") if isinstance(data, dict) else None
-        if not isinstance(usage, dict) or data.get("choices"):
+        usage = parsed.get("usage") if isinstance(parsed, dict) else None
+        if not isinstance(usage, dict) or parsed.get("choices"):
             return False
         self.metrics.prompt_tokens.labels(cls).inc(usage.get("prompt_tokens") or 0)
         self.metrics.output_tokens.labels(cls).inc(usage.get("completion_tokens") or 0)
@@ -723,6 +773,44 @@ class _RawRequest:
 
 class _Unavailable(RuntimeError):
     """The decoder could not be used, and nothing was sent to the client yet: safe to retry elsewhere."""
+
+
+class _UpstreamBytes(httpx.AsyncByteStream):
+    """An aiohttp response's body, read as it arrives, as the stream of the ``httpx.Response`` that httpx-sse's
+    ``EventSource`` parses (the router's upstream client is aiohttp; the parser reads httpx responses)."""
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._content.iter_any():
+            yield chunk
+
+
+def _encode_event(sse: ServerSentEvent, last_id: str) -> bytes:
+    """An event as it goes on to the client (the fields it has; ``id`` only when it changed, as the parser keeps
+    the last one); an event with nothing in it (no data, no field) is nothing."""
+    lines = []
+    if sse.event != "message":
+        lines.append(f"event: {sse.event}")
+    if sse.id != last_id:
+        lines.append(f"id: {sse.id}")
+    if sse.retry is not None:
+        lines.append(f"retry: {sse.retry}")
+    if sse.data:
+        lines.extend(f"data: {line}" for line in sse.data.split("\n"))
+    return ("\n".join(lines) + "\n\n").encode() if lines else b""
+
+
+def _drop_engine_fields(body: dict[str, Any]) -> None:
+    """Remove what only the router may set (``ENGINE_INTERNAL_FIELDS``) from a client's request."""
+    for name in ENGINE_INTERNAL_FIELDS:
+        body.pop(name, None)
+
+
+def _client_xargs(xargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A client's ``vllm_xargs`` without the ``coserve_*`` keys: the router sets the ones engines read."""
+    return {key: value for key, value in xargs.items() if not key.lower().startswith("coserve_")}
 
 
 def _engine_load(text: str) -> tuple[float, int, int]:

@@ -9,6 +9,8 @@
      "anonymousClass": "standard",                    # requests without a known key (default: the default class)
      "maxBodyBytes": 8388608, "pinTtlS": 1800, "maxPins": 100000,
      "decoderFull": 0.9, "pollS": 1.0, "decoderFailures": 3, "upstreamTimeoutS": 600,
+     "pinDropFailures": 3, "pinDropWindowS": 30,      # a decoder loses its pins after 3 failed requests
+                                                      # in a row within 30 s (one is retried elsewhere)
      "kvTransferParams": false,                       # true: vLLM's P/D transfer parameters (NixlConnector)
      "placement": "conversation",                     # "turn" / "request": baselines (see RouterConfig)
      "batchDir": "/var/lib/coserve/batches",          # offline batches persist here (absent: no batch API)
@@ -183,6 +185,21 @@ class RouterConfig(BaseModel):
     )
     decoder_failures: int = Field(
         3, ge=1, description="decoderFailures is how many polls in a row must fail before a decoder is marked down."
+    )
+    pin_drop_failures: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="pinDropFailures is how many forwarded requests in a row must fail (HTTP 502/503/504 or "
+        "a connection error) within pinDropWindowS before a decoder is down and its conversations lose their "
+        "pins; one failure re-places only the conversation whose request failed.",
+    )
+    pin_drop_window_s: float = Field(
+        30.0,
+        ge=1,
+        le=3600,
+        description="pinDropWindowS is the time, in seconds, within which pinDropFailures failed requests in a "
+        "row drop a decoder's pins; older failures are forgotten.",
     )
     upstream_timeout_s: float = Field(
         600.0, ge=1, le=86400, description="upstreamTimeoutS bounds one request to an engine, in seconds."

@@ -12,13 +12,27 @@ Rules:
   chat, the model and every message up to and including the first user message;
   for completions, the model and the first ``PROMPT_PREFIX_CHARS`` characters
   of a text prompt (or ``PROMPT_PREFIX_TOKENS`` token ids).
+- A client's id is canonical (``canonical_conversation_id``): at most
+  ``MAX_CONVERSATION_ID_BYTES`` bytes of printable ASCII (no leading or trailing
+  space) are kept as they are; any other id (longer, non-ASCII, control
+  characters) becomes ``sha256:`` and the hex digest of its bytes (the header's
+  bytes as received, the body string's UTF-8), so the same bytes name the same
+  conversation in the header or the body, on every router replica and in the
+  engine's ConversationLog (which reads the router's header as latin-1), and an
+  id costs bounded memory. An empty or non-string id is ``InvalidConversationId``
+  (a ``null`` body field is no id).
 - Turn 1 of a conversation is placed on the decoder with the lowest KV
   occupancy (the engine's ``vllm:kv_cache_usage_perc`` plus the tokens the
   router admitted since that reading) among those below ``full``; it stays
   pinned there. A pinned decoder that is gone or failed is replaced (the caller
   counts a re-placement); a live conversation is never moved otherwise.
+- A decoder is lost (down, its pins dropped) only when it is confirmed:
+  ``EngineLoad.forward_failed`` says so after ``allowed`` forwarded requests
+  failed in a row within ``window_s``; a forwarded request it answers resets
+  the count. One failure moves only the conversation whose request failed.
 - Pins expire after ``ttl_s`` idle and the table holds at most ``max_pins``
-  (the least recently used goes first).
+  (the least recently used goes first), whatever order the last uses are
+  given in.
 - Gain-oriented choice among instances (GoRouting's dual threshold): a
   candidate below ``light`` load is taken at once (the least loaded of them);
   when every candidate is above ``heavy``, the least loaded; in between, the
@@ -34,33 +48,86 @@ Rules:
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coserve.scheduling.requests import ClassRegistry, RequestClass
 
 __all__ = [
+    "CONVERSATION_ID_HEADER",
+    "MAX_CONVERSATION_ID_BYTES",
     "PROMPT_PREFIX_CHARS",
     "PROMPT_PREFIX_TOKENS",
     "EngineLoad",
+    "InvalidConversationId",
     "PinTable",
+    "canonical_conversation_id",
     "choose_decoder",
     "choose_gain_oriented",
     "conversation_id",
+    "explicit_conversation_id",
     "prefill_deadlines",
     "resolve_class",
 ]
 
 PROMPT_PREFIX_CHARS = 512
 PROMPT_PREFIX_TOKENS = 128
+CONVERSATION_ID_HEADER = "x-conversation-id"
+MAX_CONVERSATION_ID_BYTES = 256
+# printable ASCII, no leading or trailing space (HTTP strips those from a header value: the engine would
+# record another id than the router looks up)
+_KEPT_ID = re.compile(rb"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
+class InvalidConversationId(ValueError):
+    """A client's conversation id that names nothing: not a string, or empty; ``field`` is where it was."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def canonical_conversation_id(raw: bytes) -> str:
+    """The id the router and the engines use for a client's id of ``raw`` bytes (module rules)."""
+    if len(raw) <= MAX_CONVERSATION_ID_BYTES and _KEPT_ID.fullmatch(raw):
+        return raw.decode("ascii")
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def explicit_conversation_id(headers: Mapping[str, str], body: Mapping[str, object]) -> str | None:
+    """The client's own id, canonical; ``None`` when it names none; ``InvalidConversationId`` when the header
+    or the body's ``conversation_id`` is empty or not a string. ``headers``: lower-case keys, values as
+    ASGI servers decode them (latin-1, so each character is one byte as received)."""
+    header = headers.get(CONVERSATION_ID_HEADER)
+    if header is not None:
+        if not header:
+            raise InvalidConversationId(CONVERSATION_ID_HEADER, f"the {CONVERSATION_ID_HEADER} header is empty")
+        try:
+            raw = header.encode("latin-1")
+        except UnicodeEncodeError:  # a caller's own str, not one read off the wire
+            raw = header.encode("utf-8", "surrogatepass")
+        return canonical_conversation_id(raw)
+    value = body.get("conversation_id")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidConversationId("conversation_id", f"conversation_id must be a string, got {type(value).__name__}")
+    if not value:
+        raise InvalidConversationId("conversation_id", "conversation_id must not be empty")
+    return canonical_conversation_id(value.encode("utf-8", "surrogatepass"))
 
 
 def conversation_id(headers: Mapping[str, str], body: Mapping[str, object]) -> str:
-    """The conversation's identity (see the module rules); ``headers`` keys are lower-case."""
-    explicit = headers.get("x-conversation-id") or body.get("conversation_id")
-    if isinstance(explicit, str) and explicit:
+    """The conversation's identity (see the module rules); ``headers`` keys are lower-case; raises
+    ``InvalidConversationId`` (see ``explicit_conversation_id``)."""
+    explicit = explicit_conversation_id(headers, body)
+    if explicit is not None:
         return explicit
     model = body.get("model")
     messages = body.get("messages")
@@ -110,6 +177,8 @@ class EngineLoad:
     waiting: int = 0  # vllm:num_requests_waiting at the last poll
     healthy: bool = True
     failures: int = 0  # consecutive failed polls
+    # when each forwarded request failed, since the last one it answered (at most the ``allowed`` last)
+    forward_failures: list[float] = field(default_factory=list)
 
     def occupancy(self) -> float:
         extra = self.admitted_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
@@ -124,6 +193,23 @@ class EngineLoad:
         self.failures += 1
         if self.failures >= allowed:
             self.healthy = False
+
+    def forward_failed(self, now_s: float, allowed: int, window_s: float) -> bool:
+        """A request forwarded to this engine failed (an HTTP 502/503/504, a connection error): whether that
+        confirms it lost, ``allowed`` failures in a row within ``window_s``; then it is down too."""
+        recent = [t for t in self.forward_failures if now_s - t <= window_s]
+        recent.append(now_s)
+        if len(recent) >= allowed:
+            self.forward_failures = []
+            self.healthy = False
+            return True
+        self.forward_failures = recent[-allowed:]
+        return False
+
+    def forward_answered(self) -> None:
+        """A forwarded request was answered: the failures in a row start again from none."""
+        if self.forward_failures:
+            self.forward_failures = []
 
 
 def choose_decoder(decoders: Sequence[EngineLoad], full: float = 0.9) -> EngineLoad | None:
@@ -180,6 +266,11 @@ class PinTable:
     Every operation costs what it touches, never the table: entries are kept in last-use order, so expiry
     pops from the old end only the pins that expired, and per-decoder counts and members are kept as pins
     are added, moved, dropped and expired (``per_decoder`` is a copy of the counts, not a recount).
+
+    The order holds whatever last use a pin is given: one given a last use no later than the newest
+    entry's (a pin kept with a past last use, a request's clock read before an await) goes to a heap of
+    late pins instead of the end of the ordered dict, and expiry and eviction take the older of the two
+    heads. Late pins are few, so the hot path stays an ordered dict's append and move-to-end.
     """
 
     def __init__(self, ttl_s: float = 1800.0, max_pins: int = 100_000) -> None:
@@ -187,13 +278,20 @@ class PinTable:
             raise ValueError("pin TTL and table size must be positive")
         self.ttl_s = ttl_s
         self.max_pins = max_pins
-        self._pins: OrderedDict[str, Pin] = OrderedDict()  # least recently used first
+        self._pins: dict[str, Pin] = {}
+        self._order: OrderedDict[str, Pin] = OrderedDict()  # non-decreasing last use: least recent first
+        self._late: list[tuple[float, int, str]] = []  # heap of (last use, stamp, conversation); stale allowed
+        self._late_stamp: dict[str, int] = {}  # the live heap entry of each late pin
+        self._stamps = itertools.count()
         self._by_decoder: dict[str, set[str]] = {}
         self._ended: list[tuple[str, Pin]] = []  # expired on lookup, reported by the next expire()
         self.touched = 0  # entries examined by expire() and drop_decoder() (tests hold the cost to this)
 
     def __len__(self) -> int:
         return len(self._pins)
+
+    def __contains__(self, conversation: object) -> bool:
+        return conversation in self._pins
 
     def get(self, conversation: str, now_s: float) -> Pin | None:
         pin = self._pins.get(conversation)
@@ -202,31 +300,38 @@ class PinTable:
         if now_s - pin.last_used_s > self.ttl_s:
             self._ended.append((conversation, self._remove(conversation)))
             return None
-        pin.last_used_s = now_s
-        self._pins.move_to_end(conversation)
+        if now_s >= pin.last_used_s:
+            self._unplace(conversation)
+            pin.last_used_s = now_s
+            self._place(conversation, pin)
         return pin
 
     def pin(self, conversation: str, decoder: str, now_s: float, first_arrival_s: float | None = None,
             owned: bool = True) -> Pin:  # fmt: skip
         """Pin ``conversation`` to ``decoder`` (a new conversation, a re-placement, or one another replica
-        placed: then ``owned`` is False and ``first_arrival_s`` is what the decoder says)."""
+        placed: then ``owned`` is False and ``first_arrival_s`` is what the decoder says), last used at
+        ``now_s``: a pin older than every other one in a full table is the one that goes."""
         old = self._pins.get(conversation)
         if old is not None:
             self._remove(conversation)
         first = old.first_arrival_s if old else (now_s if first_arrival_s is None else first_arrival_s)
         pin = Pin(decoder, now_s, old.turns if old else 0, first, old.owned if old else owned)
         self._pins[conversation] = pin
+        self._place(conversation, pin)
         self._by_decoder.setdefault(decoder, set()).add(conversation)
         while len(self._pins) > self.max_pins:
-            self._remove(next(iter(self._pins)))
+            oldest = self._oldest()
+            assert oldest is not None  # noqa: S101 - the table is not empty (for the type checker)
+            self._remove(oldest[0])
         return pin
 
     def drop_decoder(self, decoder: str) -> int:
-        """A decoder left: forget its pins (their next turns are re-placed); how many."""
+        """A decoder is lost: forget its pins (their next turns are re-placed); how many."""
         gone = self._by_decoder.pop(decoder, set())
         self.touched += len(gone)
         for conversation in gone:
             del self._pins[conversation]
+            self._unplace(conversation)
         return len(gone)
 
     def expire(self, now_s: float) -> list[Pin]:
@@ -236,19 +341,49 @@ class PinTable:
     def expire_named(self, now_s: float) -> tuple[list[str], list[Pin]]:
         """``expire``, with the conversations' names beside their pins."""
         ended, self._ended = self._ended, []
-        while self._pins:
-            conversation, oldest = next(iter(self._pins.items()))
-            self.touched += 1
-            if now_s - oldest.last_used_s <= self.ttl_s:
+        while True:
+            oldest = self._oldest(count=True)
+            if oldest is None or now_s - oldest[1].last_used_s <= self.ttl_s:
                 break
-            ended.append((conversation, self._remove(conversation)))
+            ended.append((oldest[0], self._remove(oldest[0])))
         return [name for name, _ in ended], [pin for _, pin in ended]
 
     def per_decoder(self) -> dict[str, int]:
         return {decoder: len(members) for decoder, members in self._by_decoder.items() if members}
 
+    def _place(self, conversation: str, pin: Pin) -> None:
+        """Put a pin not in the order yet where its last use says: the end, or the late heap."""
+        if self._order:
+            newest = self._order[next(reversed(self._order))]
+            if pin.last_used_s < newest.last_used_s:
+                stamp = next(self._stamps)
+                self._late_stamp[conversation] = stamp
+                heapq.heappush(self._late, (pin.last_used_s, stamp, conversation))
+                if len(self._late) > 2 * len(self._late_stamp) + 64:  # mostly stale entries: rebuild
+                    self._late = [entry for entry in self._late if self._late_stamp.get(entry[2]) == entry[1]]
+                    heapq.heapify(self._late)
+                return
+        self._order[conversation] = pin
+
+    def _unplace(self, conversation: str) -> None:
+        if self._order.pop(conversation, None) is None:
+            self._late_stamp.pop(conversation, None)  # its heap entry is stale now
+
+    def _oldest(self, count: bool = False) -> tuple[str, Pin] | None:
+        """The least recently used pin (``count``: each entry looked at adds to ``touched``)."""
+        while self._late and self._late_stamp.get(self._late[0][2]) != self._late[0][1]:
+            heapq.heappop(self._late)  # stale: that pin was used again, moved or removed
+            self.touched += count
+        late = self._late[0] if self._late else None
+        first = next(iter(self._order.items())) if self._order else None
+        self.touched += count
+        if late is not None and (first is None or late[0] < first[1].last_used_s):
+            return late[2], self._pins[late[2]]
+        return first
+
     def _remove(self, conversation: str) -> Pin:
         pin = self._pins.pop(conversation)
+        self._unplace(conversation)
         members = self._by_decoder.get(pin.decoder)
         if members is not None:
             members.discard(conversation)
