@@ -630,6 +630,30 @@ def test_what_only_the_pod_template_would_refuse_is_refused_before_it_is_applied
     jsonschema.Draft4Validator(openapi_schema()).validate(minimal_document(**spec))  # the CRD lets them through
 
 
+@pytest.mark.parametrize(
+    ("peer", "field", "validator"),
+    [
+        ({"podLabels": {"app.kubernetes.io/name": "prometheus"}, "namespaceLabels": {}}, "namespaceLabels",
+         "minProperties"),
+        ({"podLabels": {}, "namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"}}, "podLabels",
+         "minProperties"),
+        ({"podLabels": {"app.kubernetes.io/name": "prometheus"}}, "namespaceLabels", "required"),
+        ({"namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"}}, "podLabels", "required"),
+    ],
+)  # fmt: skip
+def test_a_metrics_scraper_that_would_select_everyone_is_refused_by_the_schema_and_pydantic(
+    peer: dict[str, Any], field: str, validator: str
+) -> None:
+    """An empty selector selects every namespace (or every pod): a scraper names both its namespaces and its pods,
+    which the schema requires without CEL (required, minProperties), and pydantic too."""
+    document = minimal_document(engine={"metricsScrapers": [peer]})
+    errors = list(jsonschema.Draft4Validator(openapi_schema()).iter_errors(document))
+    assert [(error.validator, field in ".".join(map(str, error.absolute_path)) or field in error.message)
+            for error in errors] == [(validator, True)]  # fmt: skip
+    assert [p.path for p in refusal(document)] == [f"spec.engine.metricsScrapers[0].{field}"]
+    assert defaulted_spec(minimal_document())["engine"]["metricsScrapers"] == []  # by default nobody
+
+
 def test_cel_field_paths_name_fields_of_their_node() -> None:
     for path, node in schema_nodes(openapi_schema()):
         for rule in node.get("x-kubernetes-validations", []):

@@ -18,6 +18,9 @@ Recorded later (at 8ba8e40), the pool ``assistant`` of ``examples/pool-productio
 every kind a pool may have, as the server stored each. Reconciled against them, the operator decides
 nothing for any kind; a hand edit of a field it sets on any kind is drift; and ``as_stored``, the
 tests' own model of the stored form (used by ``upgraded`` and by the kmock tests), agrees with them.
+That pool was stored with the metrics scraper 8ba8e40 defaulted, which admitted Prometheus-labelled pods
+of every namespace; this version refuses it, so those tests read the pool as its owner fixes it (see
+``assistant``), after the one patch that fix makes to the recorded NetworkPolicy.
 """
 
 from __future__ import annotations
@@ -349,8 +352,36 @@ ASSISTANT_NOW = datetime(2026, 12, 4, 15, 20, tzinfo=UTC)  # after the recording
 ASSISTANT_SOURCES = {"kubectl-lists": SOURCES["kubectl-lists"], "no-apiVersion-kind": without_type}
 
 
-def assistant() -> dict[str, Any]:
+# What the CRD of 8ba8e40 defaulted spec.engine.metricsScrapers to, stored in the recorded pool: pods labelled
+# app.kubernetes.io/name=prometheus in every namespace (namespaceLabels {} selects them all), which any pod can pass
+# for. This version refuses that peer, and has no scraper by default.
+RECORDED_SCRAPERS = [{"namespaceLabels": {}, "podLabels": {"app.kubernetes.io/name": "prometheus"}}]
+# The fix its owner makes, as examples/pool-production.yaml now sets it: the same pods, in namespace monitoring.
+NAMED_SCRAPERS = [
+    {
+        "namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"},
+        "podLabels": {"app.kubernetes.io/name": "prometheus"},
+    }
+]
+SCRAPER_DRIFT = (
+    "patch",
+    "NetworkPolicy",
+    "assistant-engines",
+    "drifted: spec.ingress[1].from[0].namespaceSelector.matchLabels",
+)
+
+
+def recorded_assistant() -> dict[str, Any]:
+    """The pool as the server stored it at 8ba8e40."""
     body: dict[str, Any] = load("llm.assistant.coservepool.json")
+    return body
+
+
+def assistant() -> dict[str, Any]:
+    """The recorded pool with its scraper named as this version requires (the recording is not changed)."""
+    body = recorded_assistant()
+    assert body["spec"]["engine"]["metricsScrapers"] == RECORDED_SCRAPERS
+    body["spec"]["engine"]["metricsScrapers"] = copy.deepcopy(NAMED_SCRAPERS)
     return body
 
 
@@ -360,14 +391,48 @@ def recorded(kind: str) -> list[dict[str, Any]]:
     return items
 
 
-def every_kind(source: str = "kubectl-lists") -> Observed:
-    """Every child of the pool ``assistant`` as the server stored it, read afresh (the way ``source`` reads it)."""
+def recorded_children(source: str = "kubectl-lists") -> Observed:
+    """Every child of the pool ``assistant`` exactly as the server stored it, read afresh (the way ``source``
+    reads it)."""
     observed = {(kind, item["metadata"]["name"]): item for kind in KINDS for item in recorded(kind)}
     return ASSISTANT_SOURCES[source](observed)
 
 
+def every_kind(source: str = "kubectl-lists") -> Observed:
+    """``recorded_children`` after this version's first reconcile of the fixed pool (``assistant``): the
+    recorded NetworkPolicy's scraper peer has namespaceSelector {} (8ba8e40's default); the fix names the
+    namespace, one merge patch, stored as the server stores it. Every other child is the recording's."""
+    observed = recorded_children(source)
+    result = decide(assistant(), observed, ASSISTANT_NOW)
+    assert actions(result) == [SCRAPER_DRIFT]
+    (action,) = result.actions
+    key = (action.kind, action.name)
+    stored = as_stored(merge_patch(observed[key], action.body))
+    for field in ("apiVersion", "kind"):  # a LIST item stays one
+        if field not in observed[key]:
+            stored.pop(field, None)
+    return {**observed, key: stored}
+
+
 def decide_assistant(observed: Observed) -> Reconciliation:
     return decide(assistant(), observed, ASSISTANT_NOW)
+
+
+@pytest.mark.parametrize("source", ASSISTANT_SOURCES)
+def test_the_recorded_pools_default_scraper_is_refused_and_its_children_left_as_they_are(source: str) -> None:
+    """Upgrading from 8ba8e40: the stored default admits Prometheus-labelled pods of every namespace; the pool is
+    InvalidSpec, naming the field, until its owner names the scraper's namespace (the NetworkPolicy it had stays)."""
+    result = decide(recorded_assistant(), recorded_children(source), ASSISTANT_NOW)
+    assert not result.plan_valid
+    assert actions(result) == []
+    plan_valid = next(c for c in result.status["conditions"] if c["type"] == "PlanValid")
+    assert plan_valid["reason"] == "InvalidSpec"
+    assert plan_valid["message"] == (
+        "spec.engine.metricsScrapers[0].namespaceLabels: must name at least one label: "
+        "an empty selector selects every namespace"
+    )
+    # Fixed, the one change is the NetworkPolicy's scraper peer (every_kind applies it).
+    assert actions(decide(assistant(), recorded_children(source), ASSISTANT_NOW)) == [SCRAPER_DRIFT]
 
 
 def test_the_recordings_hold_every_child_of_every_kind() -> None:
@@ -406,11 +471,20 @@ def _stored_differently(sent: Any, stored: Any, path: str = "") -> list[str]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_as_stored_is_what_the_server_stored(kind: str) -> None:
     """``as_stored`` of what the operator sends holds nothing the server left out or changed (defaults aside)."""
-    stored = every_kind()
+    stored = recorded_children()  # the recordings themselves: every_kind's patched NetworkPolicy is as_stored's
     sent = [a.body for a in decide_assistant({}).actions if a.kind == kind]
     assert sent
     for body in sent:
-        assert _stored_differently(as_stored(body), stored[(kind, body["metadata"]["name"])]) == []
+        differences = _stored_differently(as_stored(body), stored[(kind, body["metadata"]["name"])])
+        if kind == "NetworkPolicy":
+            # The recording is what 8ba8e40 sent for its default scraper peer, namespaceSelector {matchLabels: {}},
+            # which the server stored as {}; this version sends the fixed pool's named namespace there, so that
+            # one path differs. With that peer as 8ba8e40 sent it, the rest must match the recording.
+            assert differences == [".spec.ingress[1].from[0].namespaceSelector.matchLabels (left out)"]
+            as_recorded = copy.deepcopy(body)
+            as_recorded["spec"]["ingress"][1]["from"][0]["namespaceSelector"] = {"matchLabels": {}}
+            differences = _stored_differently(as_stored(as_recorded), stored[(kind, body["metadata"]["name"])])
+        assert differences == []
         listed = as_stored(body, listed=True)
         assert "apiVersion" not in listed and "kind" not in listed
 
@@ -447,7 +521,7 @@ def _kind_edits() -> list[Any]:
         return "spec.ingress[1].ports[0].port"
 
     def scrapers_from_this_namespace_only(observed: Observed) -> str:
-        # the server stores the rendered {matchLabels: {}} as {}, which is not drift; no selector at all is
+        # a peer without its namespaceSelector selects the pool's own namespace instead of the named one
         del observed[("NetworkPolicy", "assistant-engines")]["spec"]["ingress"][1]["from"][0]["namespaceSelector"]
         return "spec.ingress[1].from[0].namespaceSelector"
 

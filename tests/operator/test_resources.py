@@ -743,8 +743,11 @@ def test_the_router_token_secret_carries_no_data_the_operator_generates_it() -> 
 
 
 def test_engines_admit_only_the_pools_own_pods_and_the_metrics_scrapers() -> None:
-    document = make_pool(engine={"metricsScrapers": [{"podLabels": {"app": "vm"}, "namespaceLabels": {"team": "obs"}},
-                                                     {"podLabels": {"app": "local"}}]})  # fmt: skip
+    document = make_pool(engine={"metricsScrapers": [
+        {"podLabels": {"app": "vm"}, "namespaceLabels": {"team": "obs"}},
+        {"podLabels": {"app.kubernetes.io/name": "prometheus"},
+         "namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    ]})  # fmt: skip
     (policy,) = [c for c in render(document) if c["kind"] == "NetworkPolicy"]
     spec = policy["spec"]
     assert spec["podSelector"] == {
@@ -758,7 +761,10 @@ def test_engines_admit_only_the_pools_own_pods_and_the_metrics_scrapers() -> Non
     assert scrapers == {
         "from": [
             {"podSelector": {"matchLabels": {"app": "vm"}}, "namespaceSelector": {"matchLabels": {"team": "obs"}}},
-            {"podSelector": {"matchLabels": {"app": "local"}}},  # the pool's namespace only
+            {
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            },
         ],
         "ports": [{"protocol": "TCP", "port": 8000}],
     }
@@ -767,14 +773,35 @@ def test_engines_admit_only_the_pools_own_pods_and_the_metrics_scrapers() -> Non
     assert own["from"][0]["podSelector"]["matchLabels"].items() <= router_labels.items()
 
 
-def test_by_default_prometheus_pods_in_any_namespace_may_scrape_the_engines() -> None:
+def test_by_default_only_the_pools_own_pods_reach_the_engines() -> None:
+    """No scraper is admitted unless the spec names one (tests/operator/test_network_policy.py evaluates it)."""
     (policy,) = [c for c in render(make_pool()) if c["kind"] == "NetworkPolicy"]
-    assert policy["spec"]["ingress"][1]["from"] == [
-        {
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
-            "namespaceSelector": {"matchLabels": {}},
-        }
-    ]
+    assert parse_pool(make_pool()).spec.engine.metrics_scrapers == []
+    own_pods = {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/instance": "chat", "app.kubernetes.io/name": "coserve"}}
+    }
+    assert policy["spec"]["ingress"] == [{"from": [own_pods]}]
+
+
+@pytest.mark.parametrize(
+    ("peer", "path", "reason"),
+    [
+        ({"podLabels": {"app.kubernetes.io/name": "prometheus"}, "namespaceLabels": {}},
+         "spec.engine.metricsScrapers[0].namespaceLabels", "an empty selector selects every namespace"),
+        ({"podLabels": {}, "namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+         "spec.engine.metricsScrapers[0].podLabels", "an empty selector selects every pod"),
+        ({"podLabels": {"app.kubernetes.io/name": "prometheus"}},
+         "spec.engine.metricsScrapers[0].namespaceLabels", "required field is missing"),
+        ({"namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+         "spec.engine.metricsScrapers[0].podLabels", "required field is missing"),
+        ({"podLabels": {"app": "prometheus"}, "namespaceLabels": {"Monitoring/team": "obs"}},
+         'spec.engine.metricsScrapers[0].namespaceLabels["Monitoring/team"]', "prefix must be a lowercase DNS"),
+    ],
+)  # fmt: skip
+def test_a_scraper_must_name_its_namespaces_and_its_pods(peer: dict[str, Any], path: str, reason: str) -> None:
+    with pytest.raises(InvalidInput) as raised:
+        parse_pool(make_pool(engine={"metricsScrapers": [peer]}))
+    assert [(p.path, reason in p.reason) for p in raised.value.problems] == [(path, True)]
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES_DIR.glob("pool*.yaml")), ids=lambda p: p.name)

@@ -71,6 +71,7 @@ __all__ = [
     "ResourceRequirements",
     "RoleOverrides",
     "RouterSpec",
+    "ScraperPeer",
     "SecretKeyRef",
     "SpecModel",
     "Toleration",
@@ -970,22 +971,57 @@ class RoleOverrides(EnginePodOptions):
     )
 
 
+_MAX_SCRAPER_LABELS = 16
+
+
 class ScraperPeer(ApiModel):
-    """Pods that may reach the engines' port to scrape their metrics (a NetworkPolicy peer, by labels)."""
+    """A metrics scraper the engines admit on their port: one NetworkPolicy peer, by namespace and pod labels."""
 
-    pod_labels: dict[str, str] = Field(
-        default_factory=dict, description="podLabels select the scraper's pods; empty selects every pod."
+    pod_labels: dict[str, LabelValue] = Field(
+        min_length=1,
+        max_length=_MAX_SCRAPER_LABELS,
+        description="podLabels select the scraper's pods: every one of these labels (at least one).",
     )
-    namespace_labels: dict[str, str] | None = Field(
-        default=None,
-        description="namespaceLabels select the namespaces the scraper's pods run in; {} selects every "
-        "namespace, unset only the pool's own.",
+    namespace_labels: dict[str, LabelValue] = Field(
+        min_length=1,
+        max_length=_MAX_SCRAPER_LABELS,
+        description="namespaceLabels select the namespaces the scraper's pods run in: every one of these labels "
+        "(at least one; {} would select every namespace). kubernetes.io/metadata.name: <namespace> names one "
+        "namespace; the API server sets that label on every namespace to its name.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _names_both(cls, data: object) -> object:
+        if isinstance(data, dict):
+            missing = [
+                ((alias,), f"required field is missing: name the scraper's {what}", data)
+                for name, alias, what in (
+                    ("pod_labels", "podLabels", "pods by their labels"),
+                    ("namespace_labels", "namespaceLabels",
+                     "namespaces by their labels (kubernetes.io/metadata.name: <namespace> names one)"),
+                )
+                if name not in data and alias not in data
+            ]  # fmt: skip
+            if missing:
+                _fail(missing)
+        return data
 
-def _default_scrapers() -> list[ScraperPeer]:
-    # Prometheus as the Prometheus Operator and its Helm chart label it, in any namespace.
-    return [ScraperPeer(pod_labels={"app.kubernetes.io/name": "prometheus"}, namespace_labels={})]
+    @field_validator("pod_labels", "namespace_labels", mode="before")
+    @classmethod
+    def _selects_something(cls, value: object, info: ValidationInfo) -> object:
+        if isinstance(value, dict) and not value:
+            what = "pod" if info.field_name == "pod_labels" else "namespace"
+            raise ValueError(f"must name at least one label: an empty selector selects every {what}")
+        return value
+
+    @field_validator("pod_labels", "namespace_labels")
+    @classmethod
+    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
+        problems = [((key,), f"key: {reason}", key) for key in labels if (reason := _label_key_problem(key))]
+        if problems:
+            _fail(problems)
+        return labels
 
 
 _ENGINE_ROLES = ("prefiller", "decoder")
@@ -1035,12 +1071,14 @@ class EngineSpec(EnginePodOptions):
         default_factory=RoleOverrides, description="decoder holds overrides for the decoder role."
     )
     metrics_scrapers: list[ScraperPeer] = Field(
-        default_factory=_default_scrapers,
+        default_factory=list,
         max_length=16,
-        description="metricsScrapers may reach the engines' port besides the pool's own pods (the pool's "
-        "NetworkPolicy admits nobody else); the default admits Prometheus pods labelled "
-        "app.kubernetes.io/name=prometheus in any namespace. vLLM serves /metrics on its API port, so a "
-        "scraper can also send requests, which the engines serve at the lowest class without the router's token.",
+        description="metricsScrapers may reach the engines' port. By default nobody may but the pool's own pods "
+        "(router, prefillers, decoders), which the pool's NetworkPolicy admits on any port. Each scraper names its "
+        "namespaces and its pods by labels, for example namespaceLabels {kubernetes.io/metadata.name: monitoring} "
+        "and podLabels {app.kubernetes.io/name: prometheus}; autoscaling's engine signals need the Prometheus that "
+        "collects them listed here. vLLM serves /metrics on its API port, so a scraper can also send requests, "
+        "which the engines serve at the lowest class without the router's token.",
     )
     drain_timeout_s: int = Field(
         default=300,

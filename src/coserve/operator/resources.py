@@ -942,14 +942,19 @@ def _token_secret(pool: CoServePool) -> Manifest:
 
 def _engine_network_policy(pool: CoServePool) -> Manifest:
     """Engine pods accept traffic from the pool's own pods (router, prefillers, decoders: requests and KV
-    handoff) on any port, and from ``spec.engine.metricsScrapers`` on the engine port; nobody else."""
+    handoff) on any port, and from ``spec.engine.metricsScrapers`` on the engine port; nobody else.
+
+    A peer with only a podSelector selects pods of the policy's own namespace; each scraper is a peer with a
+    namespaceSelector and a podSelector, both naming labels (the spec refuses an empty one, which would select
+    every namespace or every pod), so only pods in the named namespaces can pass for a scraper by their labels."""
     name = pool.metadata.name
-    scrapers = []
-    for peer in pool.spec.engine.metrics_scrapers:
-        entry: Manifest = {"podSelector": {"matchLabels": dict(peer.pod_labels)}}
-        if peer.namespace_labels is not None:
-            entry["namespaceSelector"] = {"matchLabels": dict(peer.namespace_labels)}
-        scrapers.append(entry)
+    scrapers: list[Manifest] = [
+        {
+            "podSelector": {"matchLabels": dict(peer.pod_labels)},
+            "namespaceSelector": {"matchLabels": dict(peer.namespace_labels)},
+        }
+        for peer in pool.spec.engine.metrics_scrapers
+    ]
     ingress: list[Manifest] = [
         {"from": [{"podSelector": {"matchLabels": {INSTANCE_LABEL: name, NAME_LABEL: APP_NAME}}}]}
     ]
