@@ -36,6 +36,7 @@ from typing import Any
 
 from coserve.api.resource import CoServePool
 from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.kv.handoff import Handoff, router_sends_transfer_params
 from coserve.operator.resources import engine_config
 
 __all__ = ["prefix_hits", "run_local_pool"]
@@ -87,7 +88,7 @@ def run_local_pool(
     handoff.mkdir(parents=True)
     config = engine_config(spec)
     host_bytes = spec.kv_offload.host_memory_bytes if spec.kv_offload.enabled else DEFAULT_HOST_POOL_BYTES
-    common: dict[str, Any] = {"handoff_backend": "shm", "handoff_path": str(handoff)}
+    common: dict[str, Any] = {"handoff_backend": Handoff.SHM.value, "handoff_path": str(handoff)}
     roles = [("prefiller", i, {**common}, "kv_producer") for i in range(prefillers)]
     roles += [("decoder", i, {**common, "host_memory_bytes": host_bytes}, "kv_consumer") for i in range(decoders)]
     urls: dict[str, list[str]] = {"prefiller": [], "decoder": []}
@@ -114,6 +115,8 @@ def run_local_pool(
                 "decoders": urls["decoder"],
                 "priorityClasses": config["priorityClasses"],
                 "batchDir": str(workdir / "batches"),
+                # the engines above hand KV over through shared memory, by vLLM's P/D protocol
+                "kvTransferParams": router_sends_transfer_params(Handoff.SHM),
             }
             (workdir / "router.json").write_text(json.dumps(router_config, indent=2))
             return _serve_router(router_config, port, once, served, urls["decoder"])

@@ -82,3 +82,23 @@ def test_the_validator_sees_coserves_connector_in_either_configuration(transfer:
 )
 def test_only_per_layer_reloads_force_piecewise_cuda_graphs(extra: dict[str, object], piecewise: bool) -> None:
     assert CoServeConnector.requires_piecewise_for_cudagraph(extra) is piecewise
+
+
+def test_the_host_pools_counters_join_coserves_entry_of_multiconnector_stats() -> None:
+    """In a MultiConnector (GPU pods) the step's stats are keyed by connector; coserve's scheduler-side counters
+    go into its own entry, never beside the entries (vLLM's to_dict died on a bare number there)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorStats
+
+    from coserve.engine.kv_metrics import CoServeKVStats, merge_stats, own_stats
+
+    workers = MultiKVConnectorStats()
+    workers["CoServeConnector"] = CoServeKVStats(data={"bytes_offloaded": 100, "step_copy_s": [0.01]})
+    assert own_stats(workers) is workers["CoServeConnector"]
+    merged = merge_stats(workers, CoServeKVStats(data={"hits": 3, "pool_occupancy": 0.5}))
+    assert merged.to_dict() == {"CoServeConnector": {"bytes_offloaded": 100, "step_copy_s": [0.01], "hits": 3,
+                                                     "pool_occupancy": 0.5}}  # fmt: skip
+    alone = merge_stats(MultiKVConnectorStats(), CoServeKVStats(data={"hits": 1}))  # only the other connector ran
+    assert alone.to_dict() == {"CoServeConnector": {"hits": 1}}
+    assert merge_stats(None, CoServeKVStats(data={"hits": 1})).data == {"hits": 1}
+    single = CoServeKVStats(data={"hits": 1})
+    assert merge_stats(single, CoServeKVStats(data={"hits": 2})).data == {"hits": 3}

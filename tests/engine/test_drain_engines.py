@@ -92,6 +92,7 @@ def drain_pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                 "enginePort": port,
                 "priorityClasses": CLASSES,
                 "pollS": 0.2,
+                "kvTransferParams": True,
             }
         )
         with pytest.MonkeyPatch.context() as patch:

@@ -50,7 +50,16 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(length)]
 
 
-def complete(base: str, tokens: list[int], max_tokens: int = 24, cls: str | None = None) -> str:
+def complete(
+    base: str, tokens: list[int], max_tokens: int = 24, cls: str | None = None, transfer: dict[str, Any] | None = None
+) -> str:
+    return str(answer(base, tokens, max_tokens, cls, transfer)["choices"][0]["text"])
+
+
+def answer(
+    base: str, tokens: list[int], max_tokens: int = 24, cls: str | None = None, transfer: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A completion's whole answer; ``transfer``: the ``kv_transfer_params`` vLLM's P/D protocol sends."""
     body: dict[str, Any] = {
         "model": "tiny",
         "prompt": tokens,
@@ -60,10 +69,12 @@ def complete(base: str, tokens: list[int], max_tokens: int = 24, cls: str | None
     }
     if cls is not None:
         body["vllm_xargs"] = {"coserve_class": cls}
+    if transfer is not None:
+        body["kv_transfer_params"] = transfer
     response = httpx.post(f"{base}/v1/completions", json=body, timeout=180)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == max_tokens  # the whole answer, nothing lost
-    return str(response.json()["choices"][0]["text"])
+    return dict(response.json())
 
 
 def reset(base: str, *, running: bool = False, host_pool: bool = False) -> None:
@@ -226,12 +237,22 @@ def test_a_decoder_loads_turn_one_from_the_prefiller_instead_of_computing_it(
         kv_role="kv_producer",
     )
     with EngineServer(prefiller) as server:
-        complete(server.base, turn1, max_tokens=1)  # the prefill (and its first token), as the router sends it
+        complete(server.base, prompt(22, 1000), max_tokens=1)  # not asked to hand off: nothing is kept
+        # the prefill (and its first token), as the router sends it: vLLM's P/D protocol, as with NixlConnector
+        prefilled = answer(server.base, turn1, max_tokens=1, transfer={"do_remote_decode": True})
     written = sorted(handoff_dir.iterdir())
-    assert len(written) >= 7, written  # turn 1's full blocks, one file each
+    assert len(written) == 7, written  # turn 1's 7 full blocks, one file each; none of the unasked prompt's
+    params = prefilled.get("kv_transfer_params")
+    # the prefiller's answer (vLLM adds fields of its own, e.g. remote_prefill_cached_tokens)
+    assert params.items() >= {"do_remote_prefill": True, "do_remote_decode": False, "coserve_handoff": "shm"}.items()
 
     before = metrics(kv_engine)
-    assert complete(kv_engine, turn2, max_tokens=16) == reference
+    assert complete(kv_engine, turn2, max_tokens=16) == reference  # without the prefiller's answer: computed
+    after = metrics(kv_engine)
+    assert blocks(before, after, "handoff_loaded") == 0
+    reset(kv_engine, host_pool=True)
+    before = metrics(kv_engine)
+    assert complete(kv_engine, turn2, max_tokens=16, transfer=params) == reference  # as the router forwards it
     after = metrics(kv_engine)
     assert loaded_tokens(before, after) >= 7 * BLOCK
     assert blocks(before, after, "handoff_loaded") >= 7

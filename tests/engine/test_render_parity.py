@@ -31,26 +31,20 @@ one these launches pass to vLLM, so no rendered flag goes unlaunched.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import yaml
 
-from coserve.engine.launch import engine_healthy
-from coserve.engine.safepoint import SafepointBoard
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 from engine_handle import Chaos
+from rendered_engine import RenderedEngine, cpu_variant, engine_container, render
 
 pytestmark = pytest.mark.slow
 
@@ -59,173 +53,8 @@ EXAMPLE = ROOT / "examples" / "pool-tiered.yaml"  # offline work enabled, priori
 SHM = Path("/dev/shm")  # noqa: S108 - where POSIX shared memory (the safepoint board) lives
 
 
-def render(document: dict[str, Any]) -> list[dict[str, Any]]:
-    """What `coserve render` prints for ``document``: the command users run, not a neighbour of it."""
-    coserve = Path(sys.executable).with_name("coserve")
-    result = subprocess.run(
-        [str(coserve), "render", "-", "-o", "json"],
-        input=yaml.safe_dump(document),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return list(json.loads(result.stdout)["items"])
-
-
-def cpu_variant(document: dict[str, Any]) -> dict[str, Any]:
-    """The same pool on nodes without GPUs: no ``nvidia.com/gpu`` anywhere in the engine's resources."""
-    out = copy.deepcopy(document)
-    engine = out["spec"].setdefault("engine", {})
-    engine.setdefault("resources", {"limits": {"nvidia.com/gpu": 1}})  # the API's default
-    for section in (engine, engine.get("prefiller") or {}, engine.get("decoder") or {}):
-        for kind in ("limits", "requests"):
-            (section.get("resources") or {}).get(kind, {}).pop("nvidia.com/gpu", None)
-    return out
-
-
-def engine_container(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    (deployment,) = [
-        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["labels"].get("coserve.dev/role") == role
-    ]
-    return dict(deployment["spec"]["template"]["spec"]["containers"][0])
-
-
-def config_files(objects: list[dict[str, Any]]) -> dict[str, str]:
-    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"]
-    return dict(config_map["data"])
-
-
 def flag_names(args: list[str]) -> set[str]:
     return {a.split("=", 1)[0] for a in args if a.startswith("--")}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class RenderedEngine:
-    """The rendered decoder, launched with only the module docstring's substitutions."""
-
-    def __init__(self, objects: list[dict[str, Any]], model: Path, workdir: Path) -> None:
-        self.container = engine_container(objects, "decoder")
-        self.workdir = workdir
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        config_dir = workdir / "etc-coserve"
-        config_dir.mkdir(parents=True, exist_ok=True)
-        for name, text in config_files(objects).items():
-            (config_dir / name).write_text(text)
-        token_dir = workdir / "etc-coserve-token"
-        token_dir.mkdir(parents=True, exist_ok=True)
-        self.token = "parity-router-token"  # noqa: S105 - a test token
-        (token_dir / "token").write_text(self.token)
-        mounts = {m["name"]: m["mountPath"] for m in self.container["volumeMounts"]}
-        # mount path in the pod -> folder here (longest first: one path may prefix another)
-        self.mounts = sorted([(mounts["config"], config_dir), (mounts["router-token"], token_dir)],
-                             key=lambda pair: -len(pair[0]))  # fmt: skip
-        self.argv = self._argv(model)
-        self.env = self._env()
-        self.log = workdir / "vllm.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.board: SafepointBoard | None = None
-
-    def _local(self, value: str) -> str:
-        for mount, folder in self.mounts:
-            if value.startswith(mount + "/") or value == mount or f'"{mount}/' in value:
-                return value.replace(mount, str(folder))
-        return value
-
-    def _argv(self, model: Path) -> list[str]:
-        command = list(self.container["command"])
-        assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"], command
-        args = list(self.container["args"])
-        out: list[str] = [sys.executable, *command[1:]]
-        index = 0
-        while index < len(args):
-            flag = args[index]
-            value = args[index + 1] if index + 1 < len(args) and not args[index + 1].startswith("--") else None
-            index += 1 if value is None else 2
-            if flag == "--model":
-                value = str(model)
-            elif flag == "--port":
-                value = str(self.port)
-            elif flag == "--worker-cls":
-                value = (value or "").replace("SafepointGPUWorker", "SafepointCPUWorker")
-            elif flag == "--kv-transfer-config":
-                value = json.dumps(self._cpu_connectors(json.loads(value or "{}")))
-            out += [flag] if value is None else [flag, self._local(value)]
-        assert "--dtype" not in out, "the rendering sets a dtype: substitute it instead of adding one"
-        return [*out, "--host", "127.0.0.1", "--dtype", "float32"]
-
-    def _cpu_connectors(self, transfer: dict[str, Any]) -> dict[str, Any]:
-        children = (transfer.get("kv_connector_extra_config") or {}).get("connectors")
-        if not children:
-            return transfer
-        swapped = []
-        for child in children:
-            if child["kv_connector"] == "NixlConnector":
-                child = {"kv_connector": "ExampleConnector", "kv_role": child["kv_role"],
-                         "kv_connector_extra_config": {"shared_storage_path": str(self.workdir / "kv")}}  # fmt: skip
-            swapped.append(child)
-        return {
-            **transfer,
-            "kv_connector_extra_config": {**transfer["kv_connector_extra_config"], "connectors": swapped},
-        }
-
-    def _env(self) -> dict[str, str]:
-        rendered = {e["name"]: self._local(e["value"]) for e in self.container.get("env") or [] if "value" in e}
-        return {
-            **os.environ,
-            **rendered,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_CPU_CI_ENV": "1",
-        }
-
-    def __enter__(self) -> RenderedEngine:
-        before = set(SHM.glob("coserve-sp-*"))
-        with self.log.open("wb") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        deadline = time.monotonic() + 300
-        while not self._healthy():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                pytest.fail(f"the rendered engine did not start:\n{self.log.read_text(errors='replace')[-4000:]}")
-            time.sleep(1)
-        # The scheduler creates the engine's safepoint board; its name holds vLLM's engine id.
-        created = sorted(set(SHM.glob("coserve-sp-*")) - before)
-        assert len(created) == 1, f"expected one new safepoint board, found {created}: is coserve's connector found?"
-        self.board = SafepointBoard.attach(created[0].name)
-        assert self.board is not None
-        return self
-
-    def _healthy(self) -> bool:
-        return engine_healthy(self.base)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        if self.board is not None:
-            self.board.close()
-
-    def complete(
-        self, prompt: list[int], cls: str, max_tokens: int = 16, *, via_router: bool = True, **xargs: Any
-    ) -> httpx.Response:
-        """A completion as the pool's router sends it (with the token), or as a client that reached the engine."""
-        served = self.argv[self.argv.index("--served-model-name") + 1]
-        return httpx.post(
-            f"{self.base}/v1/completions",
-            timeout=180,
-            headers={"X-Coserve-Router-Token": self.token} if via_router else {},
-            json={"model": served, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                  "ignore_eos": True, "vllm_xargs": {"coserve_class": cls, **xargs}},
-        )  # fmt: skip
 
 
 def text(response: httpx.Response) -> str:

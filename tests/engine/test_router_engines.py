@@ -74,6 +74,7 @@ def local_pool(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                 "decoders": [servers[1].base, servers[2].base],
                 "priorityClasses": CLASSES,
                 "pollS": 0.2,
+                "kvTransferParams": True,  # the engines hand off through shared memory, by vLLM's P/D protocol
             }
         )
         router = Served(build_app(config))
@@ -169,7 +170,7 @@ def test_every_turn_reaches_its_decoder_whatever_router_replica_takes_it(
     state = local_pool["state"]
     config = tmp_path / "router.json"
     config.write_text(json.dumps({"model": "tiny", "prefillers": [state.config.prefillers[0]], "decoders": decoders,
-                                  "priorityClasses": CLASSES, "pollS": 0.2}))  # fmt: skip
+                                  "priorityClasses": CLASSES, "pollS": 0.2, "kvTransferParams": True}))  # fmt: skip
     replicas = [RouterReplica(config, tmp_path) for _ in range(3)]
     front = RoundRobinFront([r.port for r in replicas])
     tag = uuid.uuid4().hex[:8]

@@ -160,3 +160,47 @@ def test_no_fence_follows_a_step_without_copy_outs() -> None:
     assert not p.plan_step(new_step((a, [1], 0, 3))).saves
     p.step_done()
     assert not p.plan_step(cached_step(finished={"a"}, preempted={"a"})).fence_saves
+
+
+def handoff_planner(produce: bool, consume: bool, directory: str) -> OffloadPlanner:
+    config = parse_engine_config({"costModel": {"k1": 0, "k2": 0, "k3": 0, "k4": 0, "k5": 0.01}}, 64)
+    settings = KVSettings(handoff_backend="shm", handoff_path=directory, copy_bandwidth_bytes_per_s=1e12)
+    return OffloadPlanner(
+        settings, block_size=BLOCK, block_bytes=BLOCK_BYTES, salt=model_salt("m"), config=config,
+        produce=produce, consume=consume,
+    )  # fmt: skip
+
+
+def with_params(r: Any, params: dict[str, Any] | None) -> Any:
+    r.kv_transfer_params = params
+    return r
+
+
+def test_a_prefiller_keeps_blocks_for_a_decoder_only_when_the_router_asked_for_a_remote_decode(tmp_path: Any) -> None:
+    """vLLM's P/D protocol, as NixlConnector follows it: do_remote_decode in, do_remote_prefill out."""
+    p = handoff_planner(produce=True, consume=False, directory=str(tmp_path))
+    asked = with_params(request("a", list(range(10)), "standard"), {"do_remote_decode": True})
+    plain = with_params(request("b", list(range(100, 110)), "standard"), None)
+    for r, blocks in ((asked, [1, 2, 3]), (plain, [4, 5, 6])):
+        assert p.matched_tokens(r, 0) == 0
+        p.allocated(r, blocks, 0)
+    plan = p.plan_step(new_step((asked, [1, 2, 3], 0, 10), (plain, [4, 5, 6], 0, 10)))
+    assert [(c.device_block, c.handoff is not None) for c in plan.saves] == [(1, True), (2, True)]
+    assert p.remote_decode_answer(asked) == {"do_remote_prefill": True, "do_remote_decode": False,
+                                             "coserve_handoff": "shm"}  # fmt: skip
+    assert p.remote_decode_answer(plain) is None
+
+
+def test_a_decoder_loads_handed_off_blocks_only_for_a_request_that_carries_a_remote_prefill(tmp_path: Any) -> None:
+    producer = handoff_planner(produce=True, consume=False, directory=str(tmp_path))
+    tokens = list(range(10))
+    asked = with_params(request("a", tokens, "standard"), {"do_remote_decode": True})
+    producer.matched_tokens(asked, 0)
+    producer.allocated(asked, [1, 2, 3], 0)
+    for copy in producer.plan_step(new_step((asked, [1, 2, 3], 0, 10))).saves:  # what the worker writes
+        (tmp_path / f"{copy.handoff}.0.kv").write_bytes(b"kv")
+    decoder = handoff_planner(produce=False, consume=True, directory=str(tmp_path))
+    routed = with_params(request("d1", tokens, "standard"), {"do_remote_prefill": True, "coserve_handoff": "shm"})
+    unasked = with_params(request("d2", tokens, "standard"), None)
+    assert decoder.matched_tokens(routed, 0) == 2 * BLOCK
+    assert decoder.matched_tokens(unasked, 0) == 0  # without the prefiller's answer the decoder computes it

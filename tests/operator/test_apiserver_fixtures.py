@@ -371,6 +371,24 @@ SCRAPER_DRIFT = (
 )
 
 
+# The recorded pool runs on GPUs: its engines render NixlConnector, and this version's router asks for the handoff
+# they provide (router.json's kvTransferParams, derived from the same decision). 8ba8e40's router never did, so
+# the upgrade patches router.json, and the config hash rolls the pods that read it.
+HANDOFF_DRIFT = [
+    ("patch", "ConfigMap", "assistant-config", "drifted: data.router.json"),
+    *(
+        (
+            "patch",
+            "Deployment",
+            f"assistant-{role}",
+            "drifted: spec.template.metadata.annotations.coserve.dev/config-hash",
+        )
+        for role in ("prefiller", "decoder", "router")
+    ),
+]
+UPGRADE_DRIFT = [*HANDOFF_DRIFT, SCRAPER_DRIFT]
+
+
 def recorded_assistant() -> dict[str, Any]:
     """The pool as the server stored it at 8ba8e40."""
     body: dict[str, Any] = load("llm.assistant.coservepool.json")
@@ -400,18 +418,21 @@ def recorded_children(source: str = "kubectl-lists") -> Observed:
 
 def every_kind(source: str = "kubectl-lists") -> Observed:
     """``recorded_children`` after this version's first reconcile of the fixed pool (``assistant``): the
-    recorded NetworkPolicy's scraper peer has namespaceSelector {} (8ba8e40's default); the fix names the
-    namespace, one merge patch, stored as the server stores it. Every other child is the recording's."""
+    recorded NetworkPolicy's scraper peer has namespaceSelector {} (8ba8e40's default), and the fix names the
+    namespace; router.json gains the handoff (``HANDOFF_DRIFT``). Merge patches, stored as the server stores
+    them. Every other child is the recording's."""
     observed = recorded_children(source)
     result = decide(assistant(), observed, ASSISTANT_NOW)
-    assert actions(result) == [SCRAPER_DRIFT]
-    (action,) = result.actions
-    key = (action.kind, action.name)
-    stored = as_stored(merge_patch(observed[key], action.body))
-    for field in ("apiVersion", "kind"):  # a LIST item stays one
-        if field not in observed[key]:
-            stored.pop(field, None)
-    return {**observed, key: stored}
+    assert actions(result) == UPGRADE_DRIFT
+    out = dict(observed)
+    for action in result.actions:
+        key = (action.kind, action.name)
+        stored = as_stored(merge_patch(observed[key], action.body))
+        for field in ("apiVersion", "kind"):  # a LIST item stays one
+            if field not in observed[key]:
+                stored.pop(field, None)
+        out[key] = stored
+    return out
 
 
 def decide_assistant(observed: Observed) -> Reconciliation:
@@ -431,8 +452,8 @@ def test_the_recorded_pools_default_scraper_is_refused_and_its_children_left_as_
         "spec.engine.metricsScrapers[0].namespaceLabels: must name at least one label: "
         "an empty selector selects every namespace"
     )
-    # Fixed, the one change is the NetworkPolicy's scraper peer (every_kind applies it).
-    assert actions(decide(assistant(), recorded_children(source), ASSISTANT_NOW)) == [SCRAPER_DRIFT]
+    # Fixed, the changes are the NetworkPolicy's scraper peer and the router's handoff (every_kind applies them).
+    assert actions(decide(assistant(), recorded_children(source), ASSISTANT_NOW)) == UPGRADE_DRIFT
 
 
 def test_the_recordings_hold_every_child_of_every_kind() -> None:
@@ -484,6 +505,20 @@ def test_as_stored_is_what_the_server_stored(kind: str) -> None:
             as_recorded = copy.deepcopy(body)
             as_recorded["spec"]["ingress"][1]["from"][0]["namespaceSelector"] = {"matchLabels": {}}
             differences = _stored_differently(as_stored(as_recorded), stored[(kind, body["metadata"]["name"])])
+        if kind == "ConfigMap":
+            # This version's router.json asks for the pool's handoff (HANDOFF_DRIFT): that value differs; with
+            # the recorded router.json in its place, the rest must match the recording.
+            recorded_router = stored[(kind, body["metadata"]["name"])]["data"]["router.json"]
+            sent_router = body["data"]["router.json"]
+            assert differences == [f".data.router.json ({sent_router!r} stored as {recorded_router!r})"]
+            assert json.loads(sent_router) == {**json.loads(recorded_router), "kvTransferParams": True}
+            as_recorded = copy.deepcopy(body)
+            as_recorded["data"]["router.json"] = recorded_router
+            differences = _stored_differently(as_stored(as_recorded), stored[(kind, body["metadata"]["name"])])
+        if kind == "Deployment":
+            # ... and the config hash of the pods that read it (every Deployment's) follows it
+            hash_path = ".spec.template.metadata.annotations.coserve.dev/config-hash"
+            differences = [d for d in differences if not d.startswith(hash_path + " (")]
         assert differences == []
         listed = as_stored(body, listed=True)
         assert "apiVersion" not in listed and "kind" not in listed

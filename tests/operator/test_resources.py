@@ -37,6 +37,7 @@ from coserve.operator.resources import (
     decoders_before_headroom,
     drain_command,
     engine_args,
+    kv_transfer_config,
     router_image,
 )
 from coserve.provisioning import plan_for
@@ -310,7 +311,22 @@ def test_config_map_holds_engine_and_router_config() -> None:
         "batchDir": "/var/lib/coserve/batches",
         "batchLock": "lease",
         "prefillLatency": engine["prefillLatency"],  # the router avoids prefillers that would miss a TTFT SLO
+        "kvTransferParams": True,  # GPU engines hand KV over through NixlConnector: the router asks for it
     }
+
+
+def test_the_router_asks_for_a_handoff_exactly_when_the_engines_render_one() -> None:
+    """One decision, ``pool_handoff``: NixlConnector on both engines and the router's P/D protocol, or neither."""
+    gpu = make_pool()
+    cpu = make_pool(engine={"resources": {"limits": {"cpu": "4"}}})
+    for document, expected in ((gpu, True), (cpu, False)):
+        objects = render(document)
+        router = json.loads(objects[0]["data"]["router.json"])
+        connectors = {
+            role: json.dumps(kv_transfer_config(parse_pool(document).spec, role)) for role in ("prefiller", "decoder")
+        }
+        assert router.get("kvTransferParams", False) is expected
+        assert all(("NixlConnector" in text) is expected for text in connectors.values())
 
 
 def test_router_config_uses_the_default_namespace_and_the_model_name_when_unset() -> None:

