@@ -150,12 +150,17 @@ def upgraded(namespace: str, name: str, observed: Observed) -> Observed:
             body = {**action.body, "data": {"token": "c2VjcmV0"}} if action.kind == "Secret" else action.body
             out[key] = as_stored(body)
         else:
-            stored = as_stored(merge_patch(observed[key], action.body))
-            for field in ("apiVersion", "kind"):  # a LIST item stays one
-                if field not in observed[key]:
-                    stored.pop(field, None)
-            out[key] = stored
+            out[key] = patched(observed[key], action.body)
     return out
+
+
+def patched(child: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """``child`` after a merge patch, stored as the server stores it (a LIST item stays one: no type fields)."""
+    stored = as_stored(merge_patch(child, patch))
+    for field in ("apiVersion", "kind"):
+        if field not in child:
+            stored.pop(field, None)
+    return stored
 
 
 def observed_for(namespace: str, name: str, source: str) -> Observed:
@@ -424,15 +429,7 @@ def every_kind(source: str = "kubectl-lists") -> Observed:
     observed = recorded_children(source)
     result = decide(assistant(), observed, ASSISTANT_NOW)
     assert actions(result) == UPGRADE_DRIFT
-    out = dict(observed)
-    for action in result.actions:
-        key = (action.kind, action.name)
-        stored = as_stored(merge_patch(observed[key], action.body))
-        for field in ("apiVersion", "kind"):  # a LIST item stays one
-            if field not in observed[key]:
-                stored.pop(field, None)
-        out[key] = stored
-    return out
+    return {**observed, **{(a.kind, a.name): patched(observed[(a.kind, a.name)], a.body) for a in result.actions}}
 
 
 def decide_assistant(observed: Observed) -> Reconciliation:

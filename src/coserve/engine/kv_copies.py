@@ -181,6 +181,15 @@ def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _by_slot(
+    pairs: Sequence[tuple[int, int]], unpooled: Sequence[int]
+) -> tuple[list[tuple[int, int, int]], list[int], int]:
+    """(device block, host slot) pairs ordered by slot: their ``slot_runs``, the device blocks in that order
+    followed by ``unpooled`` (blocks with no slot), and how many of those blocks have a slot."""
+    order = sorted(pairs, key=lambda pair: pair[1])
+    return slot_runs([slot for _, slot in order]), [block for block, _ in order] + list(unpooled), len(order)
+
+
 @dataclass
 class _Pending:
     """A batch of copies issued on the copy stream whose time and bytes are counted once it completes."""
@@ -307,10 +316,7 @@ class DeviceKVCopier:
         host = self.host
         if loads and host is None:
             raise ValueError("reloads from a host pool of no capacity")
-        order = sorted(loads, key=lambda pair: pair[1])
-        runs = slot_runs([slot for _, slot in order])
-        blocks = [block for block, _ in order] + list(staged_blocks)
-        pooled = len(order)
+        runs, blocks, pooled = _by_slot(loads, staged_blocks)
         # The blocks being loaded were just allocated: the previous step's kernels may still read them.
         self.streams.copy_waits(self.streams.record_compute("begin"))
         with self.streams.on_copy():
@@ -372,10 +378,7 @@ class DeviceKVCopier:
         host = self.host
         if saves and host is None:
             raise ValueError("copy-outs into a host pool of no capacity")
-        order = sorted(saves, key=lambda pair: pair[1])
-        runs = slot_runs([slot for _, slot in order])
-        blocks = [block for block, _ in order] + list(extra_blocks)
-        pooled = len(order)
+        runs, blocks, pooled = _by_slot(saves, extra_blocks)
         # The forward just queued wrote these blocks: copy them only after it.
         self.streams.copy_waits(self.streams.record_compute("forward end"))
         with self.streams.on_copy():  # staging is allocated on the copy stream: reused only after these copies
