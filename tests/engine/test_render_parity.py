@@ -44,7 +44,7 @@ import yaml
 
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 from engine_handle import Chaos
-from rendered_engine import RenderedEngine, cpu_variant, engine_container, render
+from rendered_cpu_engine import RenderedEngine, cpu_variant, engine_container, render
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import warnings
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -48,22 +49,32 @@ REFUSED = {
 }
 
 
-def vllm_routes() -> set[tuple[str, str]]:
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+_LIST_ROUTES = """
+import json, warnings
+from vllm.entrypoints.launchers.app import build_app
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        app = build_app(args, ("generate",))
-    routes: set[tuple[str, str]] = set()
-    for route in app.routes:
-        path = getattr(route, "path", None)
-        for method in getattr(route, "methods", None) or {"GET"}:  # /metrics is a mounted app: scraped by GET
-            if path is not None and method != "HEAD":
-                routes.add((method, path))
-    return routes
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m"])
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    app = build_app(args, ("generate",))
+routes = []
+for route in app.routes:
+    path = getattr(route, "path", None)
+    for method in getattr(route, "methods", None) or {"GET"}:  # /metrics is a mounted app: scraped by GET
+        if path is not None and method != "HEAD":
+            routes.append([method, path])
+print(json.dumps(routes))
+"""
+
+
+def vllm_routes() -> set[tuple[str, str]]:
+    """vLLM's API server routes, from its own ``build_app`` (no engine), in a process of its own: building the
+    app configures logging process-wide, which would silence other tests' log capture."""
+    done = subprocess.run([sys.executable, "-c", _LIST_ROUTES], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {(method, path) for method, path in json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def test_every_vllm_route_is_decided() -> None:

