@@ -172,7 +172,18 @@ def test_status_round_trips_through_the_crd_schema() -> None:
 
 
 def test_an_autoscaling_status_validates_against_the_crd_schema() -> None:
-    # what coserve.operator.autoscaler writes: signals (some absent), counts, the window's history
+    # what coserve.operator.autoscaler writes: signals (some absent), counts, the reason
+    written = {
+        "lastEvaluationTime": "2026-12-03T06:30:52Z",
+        "signals": {"arrivalRatePerS": 0.5, "inputTokens": 2000.0, "decoderKvUsage": 0.3},
+        "recommended": {"prefillers": 1, "decoders": 1},
+        "desired": {"prefillers": 1, "decoders": 2},
+        "reason": "decoders held at 2: 1 recommended, waiting out the stabilization window",
+    }
+    status = StatusModel.model_validate_json(json.dumps({"autoscaling": written}))
+    assert status.to_wire()["autoscaling"] == written
+    jsonschema.Draft4Validator(openapi_schema()["properties"]["status"]).validate(status.to_wire())
+    # what an earlier version wrote, the window's history with it: a stored status like this still parses
     autoscaling = {
         "lastEvaluationTime": "2026-12-03T06:30:52Z",
         "signals": {"arrivalRatePerS": 0.5, "inputTokens": 2000.0, "decoderKvUsage": 0.3},

@@ -15,6 +15,7 @@ from pydantic import Field
 from coserve.api._base import ApiModel
 
 __all__ = [
+    "DEPRECATED_AUTOSCALING_FIELDS",
     "AutoscalingRecord",
     "AutoscalingSignals",
     "AutoscalingStatus",
@@ -169,30 +170,46 @@ class RoleCounts(ApiModel):
     decoders: int = Field(ge=0, description="decoders replicas.")
 
 
+# The decision memory an earlier operator version kept in status.autoscaling. Still accepted, so a stored
+# status that has them parses; no longer written, and removed by the autoscaler's next status write.
+DEPRECATED_AUTOSCALING_FIELDS = ("history", "kvHighEvaluations", "prefillerQueue")
+
+
 class AutoscalingStatus(ApiModel):
-    """The autoscaler's last evaluation: what it saw, what it chose, and why."""
+    """The autoscaler's last evaluation that changed anything: what it saw, what it chose, and why."""
 
     last_evaluation_time: str | None = Field(
         default=None,
-        description="lastEvaluationTime is when the autoscaler last evaluated the pool and its outcome (signals, "
-        "recommendation, replicas, reason or history) changed (RFC 3339); an evaluation that changes nothing is "
-        "not written.",
+        description="lastEvaluationTime is when an evaluation last changed this status (its signals, "
+        "recommendation, replicas or reason, or the AutoscalingActive condition) (RFC 3339). Not a heartbeat: "
+        "an evaluation that changes nothing is not written, so a steady pool keeps an old time.",
         json_schema_extra={"format": "date-time"},
     )
-    signals: AutoscalingSignals = Field(default_factory=AutoscalingSignals, description="signals seen.")
+    signals: AutoscalingSignals = Field(
+        default_factory=AutoscalingSignals, description="signals seen by the evaluation at lastEvaluationTime."
+    )
     recommended: RoleCounts | None = Field(
         default=None, description="recommended replicas before the stabilization rules."
     )
     desired: RoleCounts | None = Field(default=None, description="desired replicas the autoscaler set.")
     reason: str = Field(default="", max_length=4096, description="reason for the decision, for humans.")
-    history: list[AutoscalingRecord] = Field(
-        default_factory=list, max_length=512, description="history of recommendations the window still needs."
+    history: list[AutoscalingRecord] | None = Field(
+        default=None,
+        max_length=512,
+        description="Deprecated: no longer written, and removed by the next status write. The stabilization "
+        "window's past recommendations are kept in the acting operator replica's memory.",
     )
-    kv_high_evaluations: int = Field(
-        default=0, ge=0, description="kvHighEvaluations counts evaluations in a row with KV occupancy high."
+    kv_high_evaluations: int | None = Field(
+        default=None,
+        ge=0,
+        description="Deprecated: no longer written, and removed by the next status write (kept in the acting "
+        "operator replica's memory).",
     )
     prefiller_queue: float | None = Field(
-        default=None, ge=0, description="prefillerQueue at the last evaluation (the guard compares against it)."
+        default=None,
+        ge=0,
+        description="Deprecated: no longer written, and removed by the next status write (kept in the acting "
+        "operator replica's memory); signals.prefillerQueue is the measured queue.",
     )
 
 

@@ -71,7 +71,7 @@ class Replicas:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """One evaluation's raw recommendation, kept for the stabilization window (status carries them)."""
+    """One evaluation's raw recommendation, kept for the stabilization window (in the operator's memory)."""
 
     at_s: float
     prefillers: int
@@ -232,7 +232,7 @@ def _bounded(replicas: Replicas, limits: Thresholds) -> Replicas:
 def _prune(history: Sequence[Recommendation], now: Recommendation, window_s: float) -> tuple[Recommendation, ...]:
     """What the next evaluations need of the history: the newest entry older than the window (proof that
     the window is covered), the oldest inside it (the next such proof) and, between, only entries above
-    every newer one for some role (the window's maximum can only come from those), so the status stays
+    every newer one for some role (the window's maximum can only come from those), so the memory stays
     small whatever the interval."""
     older = [h for h in history if now.at_s - h.at_s >= window_s]
     recent = [h for h in history if now.at_s - h.at_s < window_s] + [now]

@@ -13,12 +13,35 @@ never interleave with a reconcile's):
 2. if Prometheus cannot be reached, a query fails, or there is no arrival
    rate: replicas are held where they are, AutoscalingActive=False with reason
    PrometheusUnreachable, QueryFailed or NoData, and a Warning event when that
-   changes;
-3. else ``decide`` with the Deployments' current replicas and the history kept
-   in ``status.autoscaling``; changed counts are merge-patched onto the
-   prefiller and decoder Deployments (a Normal ``Scaled`` event says why);
+   changes. Every query runs to its end, and the message names every one that
+   failed, sorted by name (queries failing alike share one sentence), so it
+   does not depend on which failed first;
+3. else ``decide`` with the Deployments' current replicas and the pool's
+   decision memory; changed counts are merge-patched onto the prefiller and
+   decoder Deployments (a Normal ``Scaled`` event says why);
    ``status.autoscaling`` records the signals, the recommendation, the replicas
    chosen and the reason, and AutoscalingActive=True.
+
+Status is written only when it changes: the new ``status.autoscaling`` and
+AutoscalingActive condition are compared with the stored ones, ignoring
+``lastEvaluationTime`` (so it is the time of the last evaluation that changed
+something, not a heartbeat) and an unchanged condition's
+``lastTransitionTime``. A steady pool, with Prometheus up or down, writes
+nothing after its first evaluation.
+
+The decision memory (the stabilization window's past recommendations, the
+KV guard's count of high evaluations, the last prefiller queue) lives in the
+acting replica's memory, per pool, as the HorizontalPodAutoscaler keeps its
+own; it changes at every evaluation, so it is not status. A replica that takes
+over the Lease (or regains it) starts with none: it scales up at once as
+always, but scales down only after one full stabilization window of its own
+evaluations (the policy needs a recommendation older than the window to call
+it covered), and the KV guard counts its two high evaluations again. Rebuilding
+it from Prometheus range queries was not chosen: the window holds the model's
+recommendations, not raw signals, and replaying the model over past samples
+would need every signal at every past evaluation time. A status written by an
+earlier operator version still carries ``history``, ``kvHighEvaluations`` and
+``prefillerQueue``: they seed the memory once, and the next write removes them.
 
 Before the decoder Deployment is scaled down, each decoder pod gets the
 ``controller.kubernetes.io/pod-deletion-cost`` annotation set to the live
@@ -38,8 +61,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any
@@ -53,7 +76,7 @@ from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import KIND, CoServePool
 from coserve.api.status import (
-    AutoscalingRecord,
+    DEPRECATED_AUTOSCALING_FIELDS,
     AutoscalingSignals,
     AutoscalingStatus,
     ConditionStatus,
@@ -93,6 +116,28 @@ class PrometheusError(RuntimeError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def _failures(failed: Sequence[tuple[str, PrometheusError]]) -> tuple[str, str]:
+    """(reason, message) for every failed query: the same words whichever failed first.
+
+    ``failed`` is sorted by query name; queries that failed alike share one sentence ("Prometheus queries
+    a, b: ..."), in the order of their first name. PrometheusUnreachable wins over QueryFailed.
+    """
+    groups: dict[str, list[str]] = {}  # what follows the query's name -> the queries that failed so
+    for name, error in failed:
+        text, prefix = str(error), f"Prometheus query {name}"
+        groups.setdefault(text.removeprefix(prefix) if text.startswith(prefix) else f": {text}", []).append(name)
+    sentences = []
+    for tail, names in groups.items():
+        if len(names) == 1:
+            sentences.append(f"Prometheus query {names[0]}{tail}")
+        else:
+            plural = " return " + tail.removeprefix(" returns ") if tail.startswith(" returns ") else tail
+            sentences.append(f"Prometheus queries {', '.join(names)}{plural}")
+    reasons = {error.reason for _, error in failed}
+    reason = "PrometheusUnreachable" if "PrometheusUnreachable" in reasons else sorted(reasons)[0]
+    return reason, "; ".join(sentences)
 
 
 # the Prometheus HTTP API's documented errorType values (https://prometheus.io/docs/prometheus/latest/querying/api/)
@@ -214,6 +259,16 @@ async def _instant_query(client: httpx.AsyncClient, base_url: str, promql: str, 
     return data.get("resultType"), data.get("result")
 
 
+@dataclass
+class _Memory:
+    """What ``decide`` needs from one pool's past evaluations (module docstring): the acting replica's only."""
+
+    uid: str | None
+    history: tuple[Recommendation, ...] = field(default_factory=tuple)
+    kv_high_evaluations: int = 0
+    prefiller_queue: float | None = None
+
+
 @dataclass(frozen=True)
 class _Outcome:
     active: bool
@@ -249,6 +304,7 @@ class Autoscaler:
         self.clock = clock
         self.http = httpx.AsyncClient(timeout=timeout_s)
         self._due: dict[tuple[str, str], float] = {}  # (namespace, name) -> monotonic time of the next evaluation
+        self._memory: dict[tuple[str, str], _Memory] = {}  # (namespace, name) -> the pool's decision memory
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -259,10 +315,13 @@ class Autoscaler:
             await asyncio.sleep(tick_s)
             if not self.acting():
                 self._due.clear()  # on taking over, evaluate every pool at once
+                self._memory.clear()  # another replica decided meanwhile: its history is not ours
                 continue
             pools = self.cache.names(KIND)
             for gone in set(self._due) - set(pools):  # deleted pools
                 del self._due[gone]
+            for gone in set(self._memory) - set(pools):
+                del self._memory[gone]
             due = []
             for namespace, name in pools:
                 body = self.cache.get(KIND, namespace, name) or {}
@@ -295,14 +354,34 @@ class Autoscaler:
             if current is None:
                 return None  # the Deployments are not created yet
             previous = _previous(body)
-            outcome, signals = await self._decide(namespace, body, pool, current, previous)
+            memory = self._memory_of(namespace, name, body, previous)
+            outcome, signals = await self._decide(namespace, body, pool, current, memory)
             AUTOSCALER_EVALUATIONS.labels(outcome.reason).inc()
+            if outcome.decision is not None:
+                decision = outcome.decision
+                memory.history, memory.kv_high_evaluations = decision.history, decision.kv_high_evaluations
+                memory.prefiller_queue = decision.prefiller_queue
             if outcome.decision is not None and outcome.decision.replicas != current:
                 await self._scale(namespace, pool, current, outcome.decision.replicas)
                 await self.post_event(namespace, body, PoolEvent("Normal", "Scaled", _scaled_message(
                     current, outcome.decision)))  # fmt: skip
             await self._write_status(namespace, name, body, previous, outcome, signals)
             return outcome.decision
+
+    def _memory_of(self, namespace: str, name: str, body: Mapping[str, Any], previous: AutoscalingStatus) -> _Memory:
+        """The pool's decision memory: empty for a pool new to this replica (or recreated under its name), seeded
+        from the deprecated status fields an earlier operator version wrote, if the stored status has them."""
+        uid = (body.get("metadata") or {}).get("uid")
+        memory = self._memory.get((namespace, name))
+        if memory is None or memory.uid != uid:
+            memory = _Memory(
+                uid,
+                tuple(Recommendation(h.at, h.prefillers, h.decoders) for h in previous.history or ()),
+                previous.kv_high_evaluations or 0,
+                previous.prefiller_queue,
+            )
+            self._memory[(namespace, name)] = memory
+        return memory
 
     def _current(self, namespace: str, name: str) -> Replicas | None:
         counts = []
@@ -315,22 +394,34 @@ class Autoscaler:
         return Replicas(*counts)
 
     async def _decide(
-        self, namespace: str, body: Mapping[str, Any], pool: CoServePool, current: Replicas,
-        previous: AutoscalingStatus,
+        self, namespace: str, body: Mapping[str, Any], pool: CoServePool, current: Replicas, memory: _Memory,
     ) -> tuple[_Outcome, AutoscalingSignals]:  # fmt: skip
         scaling = pool.spec.autoscaling
         overrides: dict[str, str] = scaling.queries.model_dump(by_alias=True, exclude_none=True)
         queries = queries_for(namespace, pool.metadata.name, overrides, scaling.selector)
         held = f"replicas held at {current.prefillers} prefillers, {current.decoders} decoders"
-        try:
-            results = await asyncio.gather(
-                *(
-                    query_prometheus(self.http, str(scaling.prometheus_url), q, name=query)
-                    for query, q in queries.items()
-                )
+        # every query runs to its end, so the message can name every failure, not the first one to arrive
+        answers = await asyncio.gather(
+            *(query_prometheus(self.http, str(scaling.prometheus_url), q, name=query) for query, q in queries.items()),
+            return_exceptions=True,
+        )
+        failed = sorted(
+            (
+                (query, answer)
+                for query, answer in zip(queries, answers, strict=True)
+                if isinstance(answer, BaseException)
+            ),
+            key=lambda pair: pair[0],
+        )
+        for _, answer in failed:
+            if not isinstance(answer, PrometheusError):
+                raise answer  # a bug or a cancellation, not Prometheus' answer
+        if failed:
+            reason, message = _failures(
+                [(query, error) for query, error in failed if isinstance(error, PrometheusError)]
             )
-        except PrometheusError as error:
-            return _Outcome(False, error.reason, f"{error}; {held}"), AutoscalingSignals()
+            return _Outcome(False, reason, f"{message}; {held}"), AutoscalingSignals()
+        results = [answer for answer in answers if not isinstance(answer, BaseException)]
         # signal field -> value; a negative result (a mistaken query) is read as zero, as status requires
         values = {
             SIGNALS[name]: max(0.0, value) if value is not None else None
@@ -352,9 +443,9 @@ class Autoscaler:
                 self.clock().timestamp(),
                 profile=profile,
                 thresholds=thresholds,
-                history=[Recommendation(h.at, h.prefillers, h.decoders) for h in previous.history],
-                kv_high_evaluations=previous.kv_high_evaluations,
-                last_prefiller_queue=previous.prefiller_queue,
+                history=memory.history,
+                kv_high_evaluations=memory.kv_high_evaluations,
+                last_prefiller_queue=memory.prefiller_queue,
             )
         except InvalidInput as error:
             return _Outcome(False, "WorkloadNotPlannable", f"{hold_reason(error)}; {held}"), seen
@@ -419,10 +510,6 @@ class Autoscaler:
             desired=RoleCounts(prefillers=decision.replicas.prefillers, decoders=decision.replicas.decoders)
             if decision else previous.desired,
             reason=outcome.message[:4096],
-            history=[AutoscalingRecord(at=h.at_s, prefillers=h.prefillers, decoders=h.decoders)
-                     for h in decision.history] if decision else previous.history,
-            kv_high_evaluations=decision.kv_high_evaluations if decision else previous.kv_high_evaluations,
-            prefiller_queue=decision.prefiller_queue if decision else previous.prefiller_queue,
         )  # fmt: skip
         was = next((c for c in status.conditions if c.type == ConditionType.AUTOSCALING_ACTIVE), None)
         conditions = set_condition(
@@ -434,12 +521,22 @@ class Autoscaler:
             now,
             (body.get("metadata") or {}).get("generation"),
         )
-        timeless = {"last_evaluation_time": None}
-        if conditions == status.conditions and (
-            autoscaling.model_copy(update=timeless) == previous.model_copy(update=timeless)
+        # An earlier version's decision memory is removed (a merge patch removes a key only when told to), but
+        # not the values that version's CRD defaults: where that CRD is still installed (helm upgrades no CRD),
+        # the API server puts them back on every read, and removing them again would write at every evaluation.
+        stored = previous.to_wire()
+        leftover = [
+            key for key in DEPRECATED_AUTOSCALING_FIELDS if key in stored and stored[key] != _OLD_DEFAULTS.get(key)
+        ]
+        timeless = {"last_evaluation_time": None, "history": None, "kv_high_evaluations": None, "prefiller_queue": None}
+        if (
+            conditions == status.conditions
+            and not leftover
+            and (autoscaling.model_copy(update=timeless) == previous.model_copy(update=timeless))
         ):
-            return  # NOTE: an evaluation that changes nothing but the time writes nothing (a held pool stays quiet)
-        patch = {"autoscaling": autoscaling.to_wire(), "conditions": [c.to_wire() for c in conditions]}
+            return  # NOTE: an evaluation that changes nothing but the time writes nothing (a steady pool stays quiet)
+        wire: dict[str, Any] = {**autoscaling.to_wire(), **dict.fromkeys(leftover)}
+        patch = {"autoscaling": wire, "conditions": [c.to_wire() for c in conditions]}
         try:
             written = await self.kube.merge_patch(KIND, namespace, name, {"status": patch}, subresource="status")
             self.cache.put(KIND, written)
@@ -448,6 +545,10 @@ class Autoscaler:
                 raise
         if not outcome.active and (was is None or was.status == ConditionStatus.TRUE or was.reason != outcome.reason):
             await self.post_event(namespace, body, PoolEvent("Warning", outcome.reason, outcome.message))
+
+
+# what the CRD of the version that kept the decision memory in status defaulted those fields to
+_OLD_DEFAULTS: dict[str, object] = {"history": [], "kvHighEvaluations": 0}
 
 
 def _selected(pod: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
