@@ -32,6 +32,7 @@ import kmock as kmocklib
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from coserve.autoscaling.queries import DEFAULT_QUERIES
 from coserve.operator.autoscaler import PrometheusError, query_prometheus, query_prometheus_by
 from coserve.operator.deletion_cost import DELETION_COST_ANNOTATION
 from coserve.operator.metrics import AUTOSCALER_EVALUATIONS
@@ -290,7 +291,9 @@ async def test_the_operator_scales_on_a_load_step_holds_then_scales_down_and_hol
         assert "replicas held at 1 prefillers, 1 decoders" in message
         # the query's name, the URL and the error's class, in fixed words (nothing the server said)
         assert f"{prometheus.url}/api/v1/query is unreachable, " in message  # ConnectError, or a read cut short
-        assert any(f"Prometheus query {name}: " in message for name in ("arrivalRate", "inputTokens")), message
+        # every query failed: each is named (in one sentence when they failed alike), whichever failed first
+        assert "Prometheus queries arrivalRate, decoderKvUsage, " in message, message
+        assert all(name in message for name in DEFAULT_QUERIES), message
         await eventually(lambda: events(kmock, "PrometheusUnreachable"), "a Warning event")
         await asyncio.sleep(2)
         assert replicas(kmock) == stopped_at
