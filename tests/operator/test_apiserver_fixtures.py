@@ -603,3 +603,283 @@ def test_a_hand_edit_of_any_kind_patches_exactly_that_child(
     path = edit(observed)
     result = decide_assistant(observed)
     assert actions(result) == [("patch", *child, f"drifted: {path}")]
+
+
+# --- the security-relevant children are the operator's whole ---------------------------------------------------------
+
+
+def restored(observed: Observed, result: Reconciliation) -> Observed:
+    """``observed`` after ``result``'s patches, as the server stores them; a router-token patch without a token is
+    filled in as the adapter does (a new random token)."""
+    out = dict(observed)
+    for action in result.actions:
+        assert action.verb == "patch", action
+        body = action.body
+        if action.kind == "Secret" and not (body.get("data") or {}).get("token"):
+            body = {**body, "data": {**(body.get("data") or {}), "token": "bmV3LXRva2Vu"}}
+        out[(action.kind, action.name)] = patched(observed[(action.kind, action.name)], body)
+    return out
+
+
+def _whole_edits() -> list[Any]:
+    """(edit that adds to or empties a security-relevant child, that child, the paths the patch names)."""
+    policy, role, binding, secret = (
+        ("NetworkPolicy", "assistant-engines"),
+        ("Role", "assistant-router"),
+        ("RoleBinding", "assistant-router"),
+        ("Secret", "assistant-router-token"),
+    )
+
+    def selector_label(observed: Observed) -> list[str]:  # the policy then selects no pod: the engines are open
+        observed[policy]["spec"]["podSelector"]["matchLabels"]["example.com/nobody"] = "x"
+        return ["spec.podSelector.matchLabels.example.com/nobody"]
+
+    def every_namespace(observed: Observed) -> list[str]:  # the pool's own pods, from every namespace
+        observed[policy]["spec"]["ingress"][0]["from"][0]["namespaceSelector"] = {}
+        return ["spec.ingress[0].from[0].namespaceSelector"]
+
+    def selector_expression(observed: Observed) -> list[str]:
+        observed[policy]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"] = [
+            {"key": "x", "operator": "Exists"}
+        ]
+        return ["spec.ingress[0].from[0].podSelector.matchExpressions"]
+
+    def verb(observed: Observed) -> list[str]:
+        observed[role]["rules"][0]["verbs"] = ["*"]
+        return ["rules[0].verbs"]
+
+    def resource(observed: Observed) -> list[str]:
+        observed[role]["rules"][0]["resources"].append("secrets")
+        return ["rules[0].resources"]
+
+    def rule(observed: Observed) -> list[str]:
+        observed[role]["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]})
+        return ["rules"]
+
+    def subject(observed: Observed) -> list[str]:
+        observed[binding]["subjects"].append({"kind": "Group", "name": "system:authenticated", "apiGroup": "rbac"})
+        return ["subjects"]
+
+    def secret_key(observed: Observed) -> list[str]:
+        observed[secret]["data"]["other"] = "eA=="
+        return ["data.other"]
+
+    def empty_token(observed: Observed) -> list[str]:
+        observed[secret]["data"]["token"] = ""
+        return ["data.token"]
+
+    def no_token(observed: Observed) -> list[str]:
+        del observed[secret]["data"]
+        return ["data.token"]
+
+    return [
+        pytest.param(selector_label, policy, id="NetworkPolicy-podSelector-label"),
+        pytest.param(every_namespace, policy, id="NetworkPolicy-namespaceSelector-added"),
+        pytest.param(selector_expression, policy, id="NetworkPolicy-peer-expression-added"),
+        pytest.param(verb, role, id="Role-verb"),
+        pytest.param(resource, role, id="Role-resource"),
+        pytest.param(rule, role, id="Role-rule"),
+        pytest.param(subject, binding, id="RoleBinding-subject"),
+        pytest.param(secret_key, secret, id="Secret-extra-key"),
+        pytest.param(empty_token, secret, id="Secret-empty-token"),
+        pytest.param(no_token, secret, id="Secret-no-token"),
+    ]
+
+
+@pytest.mark.parametrize("source", ASSISTANT_SOURCES)
+@pytest.mark.parametrize(("edit", "child"), _whole_edits())
+def test_an_addition_to_a_security_relevant_child_is_drift_and_taken_out(
+    edit: Callable[[Observed], list[str]], child: ChildKey, source: str
+) -> None:
+    observed = every_kind(source)
+    before = copy.deepcopy(observed[child])
+    paths = edit(observed)
+    result = decide_assistant(observed)
+    assert actions(result) == [("patch", *child, "drifted: " + ", ".join(paths))]
+    after = restored(observed, result)
+    assert actions(decide_assistant(after)) == []
+    if child[0] == "Secret":
+        data = after[child]["data"]
+        assert set(data) == {"token"} and data["token"]
+        if data["token"] != before["data"]["token"]:
+            assert paths == ["data.token"]  # only an emptied or missing token is replaced
+    else:
+        assert after[child] == before
+
+
+def test_what_the_server_defaults_in_a_network_policy_or_binding_is_not_drift() -> None:
+    observed = every_kind()
+    policy = observed[("NetworkPolicy", "assistant-engines")]["spec"]
+    policy["policyTypes"] = ["Ingress"]
+    for rule in policy["ingress"]:
+        for port in rule.get("ports", []):
+            port["protocol"] = "TCP"
+    observed[("RoleBinding", "assistant-router")]["subjects"][0]["apiGroup"] = ""
+    assert actions(decide_assistant(observed)) == []
+
+
+def test_a_good_token_is_kept_by_a_patch_of_its_secret() -> None:
+    observed = every_kind()
+    observed[("Secret", "assistant-router-token")]["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "x"
+    (action,) = decide_assistant(observed).actions
+    assert action.body["data"] == {"token": "UkVEQUNURUQ="}
+
+
+# --- pod templates: tolerant of webhooks, not of dangerous additions ----------------------------------------------
+
+_ENGINE, _ROUTER = ("Deployment", "assistant-decoder"), ("Deployment", "assistant-router")
+
+
+def _pod(observed: Observed, child: ChildKey) -> dict[str, Any]:
+    pod: dict[str, Any] = observed[child]["spec"]["template"]["spec"]
+    return pod
+
+
+def _sidecar(**security: Any) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "mesh-proxy",
+        "image": "example.com/proxy:1",
+        "env": [{"name": "MESH", "value": "on"}],
+        "resources": {},
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "File",
+        "imagePullPolicy": "IfNotPresent",
+    }
+    return {**container, "securityContext": security} if security else container
+
+
+def _dangerous_edits() -> list[Any]:
+    """(edit adding something dangerous to a pod template, the Deployment, the paths the patch names)."""
+
+    def host(field: str) -> Callable[[Observed, ChildKey], list[str]]:
+        def edit(observed: Observed, child: ChildKey) -> list[str]:
+            _pod(observed, child)[field] = True
+            return [f"spec.template.spec.{field}"]
+
+        return edit
+
+    def privileged(observed: Observed, child: ChildKey) -> list[str]:
+        _pod(observed, child)["containers"][0]["securityContext"]["privileged"] = True
+        return ["spec.template.spec.containers[0].securityContext.privileged"]
+
+    def privileged_sidecar(observed: Observed, child: ChildKey) -> list[str]:
+        _pod(observed, child)["containers"].append(_sidecar(privileged=True))
+        return ["spec.template.spec.containers[1].securityContext.privileged"]
+
+    def escalation(observed: Observed, child: ChildKey) -> list[str]:
+        _pod(observed, child)["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+        return ["spec.template.spec.containers[0].securityContext.allowPrivilegeEscalation"]
+
+    def escalating_init(observed: Observed, child: ChildKey) -> list[str]:
+        pod = _pod(observed, child)
+        pod.setdefault("initContainers", []).append({**_sidecar(allowPrivilegeEscalation=True), "name": "setup"})
+        return [f"spec.template.spec.initContainers[{len(pod['initContainers']) - 1}]"
+                ".securityContext.allowPrivilegeEscalation"]  # fmt: skip
+
+    def capabilities(observed: Observed, child: ChildKey) -> list[str]:
+        _pod(observed, child)["containers"][0]["securityContext"]["capabilities"]["add"] = ["NET_ADMIN"]
+        return ["spec.template.spec.containers[0].securityContext.capabilities.add"]
+
+    def sidecar_capabilities(observed: Observed, child: ChildKey) -> list[str]:
+        _pod(observed, child)["containers"].insert(0, _sidecar(capabilities={"add": ["SYS_ADMIN"]}))
+        return ["spec.template.spec.containers[0].securityContext.capabilities.add"]
+
+    def host_path(observed: Observed, child: ChildKey) -> list[str]:
+        pod = _pod(observed, child)
+        pod["volumes"].append({"name": "host", "hostPath": {"path": "/", "type": ""}})
+        pod["containers"].append({**_sidecar(), "volumeMounts": [{"name": "host", "mountPath": "/host"}]})
+        return [f"spec.template.spec.volumes[{len(pod['volumes']) - 1}].hostPath"]
+
+    edits = [
+        ("hostNetwork", host("hostNetwork")),
+        ("hostPID", host("hostPID")),
+        ("hostIPC", host("hostIPC")),
+        ("privileged", privileged),
+        ("privileged-sidecar", privileged_sidecar),
+        ("allowPrivilegeEscalation", escalation),
+        ("escalating-init-container", escalating_init),
+        ("capabilities-add", capabilities),
+        ("sidecar-capabilities-add", sidecar_capabilities),
+        ("hostPath-volume", host_path),
+    ]
+    return [
+        pytest.param(edit, child, id=f"{child[1].removeprefix('assistant-')}-{name}")
+        for child in (_ENGINE, _ROUTER)
+        for name, edit in edits
+    ]
+
+
+def _dangers(pod: dict[str, Any]) -> list[str]:
+    """What the edits above add, wherever it is in ``pod``."""
+    found = [field for field in ("hostNetwork", "hostPID", "hostIPC") if pod.get(field)]
+    for field in ("containers", "initContainers"):
+        for container in pod.get(field) or []:
+            context = container.get("securityContext") or {}
+            found += [f for f in ("privileged", "allowPrivilegeEscalation") if context.get(f) is True]
+            found += ["capabilities.add"] if (context.get("capabilities") or {}).get("add") else []
+            found += [m["name"] for m in container.get("volumeMounts") or [] if m["name"] == "host"]
+    found += [v["name"] for v in pod.get("volumes") or [] if "hostPath" in v]
+    return found
+
+
+@pytest.mark.parametrize("source", ASSISTANT_SOURCES)
+@pytest.mark.parametrize(("edit", "child"), _dangerous_edits())
+def test_a_dangerous_addition_to_a_pod_template_is_drift_and_taken_out(
+    edit: Callable[[Observed, ChildKey], list[str]], child: ChildKey, source: str
+) -> None:
+    observed = every_kind(source)
+    paths = edit(observed, child)
+    result = decide_assistant(observed)
+    assert actions(result) == [("patch", *child, "drifted: " + ", ".join(paths))]
+    after = restored(observed, result)
+    assert _dangers(_pod(after, child)) == []
+    assert actions(decide_assistant(after)) == []
+
+
+def _tolerated_edits() -> list[Any]:
+    """Edits admission webhooks commonly make to a pod template: never drift."""
+
+    def sidecar(pod: dict[str, Any]) -> None:
+        pod["containers"].insert(0, _sidecar(runAsUser=1337, allowPrivilegeEscalation=False))
+
+    def init_container(pod: dict[str, Any]) -> None:
+        pod.setdefault("initContainers", []).insert(0, {**_sidecar(), "name": "mesh-init"})
+
+    def volumes(pod: dict[str, Any]) -> None:
+        pod["volumes"].insert(0, {"name": "mesh-certs", "emptyDir": {"medium": "Memory"}})
+        pod["volumes"].append({"name": "ca-bundle", "configMap": {"name": "ca", "defaultMode": 420}})
+        pod["containers"].append({**_sidecar(), "volumeMounts": [{"name": "mesh-certs", "mountPath": "/certs"}]})
+
+    def sidecar_env(pod: dict[str, Any]) -> None:
+        pod["containers"].append(_sidecar())
+        pod["containers"][-1]["env"].append(
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        )
+
+    return [
+        pytest.param(edit, child, id=f"{child[1].removeprefix('assistant-')}-{edit.__name__}")
+        for child in (_ENGINE, _ROUTER)
+        for edit in (sidecar, init_container, volumes, sidecar_env)
+    ]
+
+
+@pytest.mark.parametrize(("edit", "child"), _tolerated_edits())
+def test_what_admission_webhooks_add_to_a_pod_template_is_tolerated_and_kept(
+    edit: Callable[[dict[str, Any]], None], child: ChildKey
+) -> None:
+    observed = every_kind()
+    template = observed[child]["spec"]["template"]
+    template["metadata"]["annotations"]["sidecar.example.com/status"] = '{"injected": true}'
+    edit(template["spec"])
+    assert actions(decide_assistant(observed)) == []
+    # A patch for something the operator sets keeps what the webhook added.
+    theirs = copy.deepcopy(template["spec"])
+    template["spec"]["containers"][next(i for i, c in enumerate(theirs["containers"]) if c["name"] != "mesh-proxy")][
+        "image"
+    ] = "example.com/hacked:latest"
+    result = decide_assistant(observed)
+    assert [a[:3] for a in actions(result)] == [("patch", *child)]
+    after = _pod(restored(observed, result), child)
+    for field in ("containers", "initContainers", "volumes"):
+        assert sorted(c["name"] for c in after.get(field) or []) == sorted(c["name"] for c in theirs.get(field) or [])
+    assert actions(decide_assistant(restored(observed, result))) == []

@@ -139,6 +139,37 @@ async def test_a_child_deleted_or_edited_by_hand_is_put_back(kmock: kmocklib.Kub
         assert reset[0]["type"] == "Warning" and "enable spec.autoscaling" in reset[0]["message"]
 
 
+async def test_an_emptied_token_and_an_opened_policy_are_put_back(kmock: kmocklib.KubernetesEmulator) -> None:
+    async with running_operator(kmock) as operator:
+        await create_pool(operator)
+        await eventually(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "every child")
+        await asyncio.sleep(1.0)  # let kopf drain the events of the pool's own creation
+        policy = "networking.k8s.io/v1/networkpolicies", NS, "chat-engines"
+        wanted = copy.deepcopy(kmock.objects[policy]["spec"])
+
+        response = await operator.patch(
+            f"/api/v1/namespaces/{NS}/secrets/chat-router-token",
+            headers=MERGE,
+            json={"data": {"token": "", "x": "eA=="}},
+        )
+        assert response.status_code == 200
+        await eventually(
+            lambda: (
+                set(kmock.objects["v1/secrets", NS, "chat-router-token"]["data"]) == {"token"}
+                and len(base64.b64decode(kmock.objects["v1/secrets", NS, "chat-router-token"]["data"]["token"])) >= 32
+            ),
+            "a new random token, and nothing else in the Secret",
+        )
+
+        response = await operator.patch(
+            f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/chat-engines",
+            headers=MERGE,
+            json={"spec": {"podSelector": {"matchLabels": {"example.com/nobody": "x"}}}},
+        )
+        assert response.status_code == 200
+        await eventually(lambda: kmock.objects[policy]["spec"] == wanted, "the policy's selector put back")
+
+
 def writes(kmock: kmocklib.KubernetesEmulator) -> list[str]:
     """Every write the operator sent (the tests' own go through other calls): method and resource."""
     return [

@@ -249,7 +249,8 @@ class PoolReconciler:
                     logger.info("%s/%s: delete %s %s (%s)", namespace, name, action.kind, action.name, action.reason)
                     continue
                 else:
-                    written = await self.kube.merge_patch(action.kind, namespace, action.name, action.body)
+                    body = _with_generated(action.body) if action.kind == "Secret" else action.body
+                    written = await self.kube.merge_patch(action.kind, namespace, action.name, body)
             except KubeError as error:
                 if action.kind == "PersistentVolumeClaim" and action.verb == "patch" and error.status in (403, 422):
                     # NOTE: e.g. a storage class without allowVolumeExpansion; retrying at once would fail again
@@ -315,11 +316,13 @@ class PoolReconciler:
 
 
 def _with_generated(body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A new router-token Secret gets its random token here (the pure builder renders none); never changed after."""
-    if body.get("kind") != "Secret" or body.get("data"):
+    """A router-token Secret without a token gets a random one here (the pure layer renders none): a new Secret,
+    or a patch of one whose token was emptied or removed (reconcile's patch carries the token when it is good)."""
+    data = body.get("data") if isinstance(body.get("data"), Mapping) else {}
+    if body.get("kind") != "Secret" or (data or {}).get(TOKEN_KEY):
         return body
     token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
-    return {**body, "data": {TOKEN_KEY: token}}
+    return {**body, "data": {**(data or {}), TOKEN_KEY: token}}
 
 
 def configure(settings: kopf.OperatorSettings, *, scanning: bool = True) -> None:

@@ -40,10 +40,26 @@ Rules:
   drift, as for every child.
 - Warnings about a problem (InvalidSpec, ChildConflict, ChildImmutable) are posted
   when the problem appears or changes, not on every resync: the condition carries it.
+- The security-relevant children are the operator's whole (``_AUTHORITATIVE``): the
+  NetworkPolicy's ``spec``, the Role's ``rules``, the RoleBinding's ``roleRef`` and
+  ``subjects`` are compared both ways, so a label added to a selector or a
+  ``namespaceSelector: {}`` added to a peer is drift too, and the patch removes it
+  (``null`` for a map key; a list is replaced whole). What the API server defaults
+  there (``_SERVER_DEFAULTS``) is not drift. The router-token Secret holds exactly the
+  key ``token``, not empty: another key is removed, and an empty or missing token is
+  left out of the patch, for the adapter to generate a new one.
+- Pod templates are tolerant but not naive: containers, init containers and volumes
+  are matched by name, so a sidecar, an init container or a volume an admission
+  webhook adds is not drift and is kept by a patch; but a dangerous addition
+  (``_pod_dangers``: host namespaces, a privileged container, privilege escalation,
+  added capabilities, a hostPath volume) that the rendered template does not ask for
+  is drift, and the patch takes it out.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,7 +83,7 @@ from coserve.api.status import (
     StatusModel,
 )
 from coserve.operator.normalize import is_blank, same_quantity, stored_quantity
-from coserve.operator.resources import Manifest, build_children, child_name
+from coserve.operator.resources import TOKEN_KEY, Manifest, build_children, child_name
 from coserve.provisioning import plan_for
 
 __all__ = ["ChildAction", "ChildKey", "PoolEvent", "Reconciliation", "drift", "reconcile"]
@@ -82,6 +98,26 @@ _DELETED_WHEN_NOT_RENDERED = frozenset({"PodDisruptionBudget"})
 _ONE_OF: dict[str, tuple[tuple[str, str], ...]] = {"PodDisruptionBudget": (("minAvailable", "maxUnavailable"),)}
 _CLAIM = "PersistentVolumeClaim"
 _CLAIM_STORAGE = "spec.resources.requests.storage"
+
+# kind -> top-level fields the operator owns whole: what the object holds there and the operator does not send is
+# drift too. They decide who reaches the engines and what the router's identity may do.
+_AUTHORITATIVE: dict[str, tuple[str, ...]] = {
+    "NetworkPolicy": ("spec",),
+    "Role": ("rules",),
+    "RoleBinding": ("roleRef", "subjects"),
+}
+# What the API server fills into those fields when it is not sent: (field names from the top, "[]" for a list
+# item) -> the values it defaults to. Only these may be present without the operator sending them.
+_SERVER_DEFAULTS: dict[tuple[str, ...], tuple[Any, ...]] = {
+    ("spec", "policyTypes"): (["Ingress"], ["Ingress", "Egress"]),
+    ("spec", "ingress", "[]", "ports", "[]", "protocol"): ("TCP",),
+    ("spec", "egress", "[]", "ports", "[]", "protocol"): ("TCP",),
+    ("subjects", "[]", "apiGroup"): ("", "rbac.authorization.k8s.io"),
+}
+_TOKEN_SECRET = "Secret"  # noqa: S105 - a kind, not a secret
+# Pod template lists whose items are matched by name: others' items (a webhook's sidecar) are not drift.
+_NAMED_LISTS = ("containers", "initContainers", "volumes")
+_HOST_NAMESPACES = ("hostNetwork", "hostPID", "hostIPC")
 
 
 @dataclass(frozen=True)
@@ -160,9 +196,10 @@ def reconcile(
             immutable += [kept] if kept is not None else []
             continue
         wanted = _without_replaced_alternatives(wanted, current)
-        changed = drift(wanted, current)
+        changed = list(dict.fromkeys([*drift(wanted, current), *_owned_whole(wanted, current)]))
         if changed:
-            actions.append(ChildAction("patch", kind, name, wanted, "drifted: " + ", ".join(changed[:5])))
+            body = _patch_body(wanted, current)
+            actions.append(ChildAction("patch", kind, name, body, "drifted: " + ", ".join(changed[:5])))
     actions += _deletions(desired, observed, uid)
 
     status = _status(pool, plan, previous, generation, observed, actions, conflicts, immutable, now)
@@ -204,6 +241,9 @@ def drift(desired: Any, observed: Any, path: str = "") -> list[str]:
       leaves them out); a desired ``true`` or non-empty value against an absent one is drift.
       Not under ``securityContext``: those fields are pointers the server keeps, and an
       absent ``allowPrivilegeEscalation`` means ``true``, so removing it by hand is drift.
+    - a pod template's ``containers``, ``initContainers`` and ``volumes`` are matched by
+      ``name``: each desired item must be there and match; items only ``observed`` has
+      are not drift here (``_pod_dangers`` judges them). A path names the desired index.
     """
     return _drift(desired, observed, path, ())
 
@@ -226,6 +266,14 @@ def _drift(desired: Any, observed: Any, path: str, keys: tuple[str, ...]) -> lis
             out += _drift(value, observed.get(key), f"{path}.{key}" if path else str(key), (*keys, str(key)))
         return out
     if isinstance(desired, list):
+        if _named_list(keys, desired) and isinstance(observed, list):
+            have = _by_name(observed)
+            out = []
+            for index, want in enumerate(desired):
+                item = f"{path}[{index}]"
+                found = have.get(want["name"])
+                out += [item] if found is None else _drift(want, found, item, (*keys, "[]"))
+            return out
         if not isinstance(observed, list) or len(observed) != len(desired):
             return [path]
         out = []
@@ -237,6 +285,197 @@ def _drift(desired: Any, observed: Any, path: str, keys: tuple[str, ...]) -> lis
     if desired == observed:
         return []
     return [] if _in_resource_list(keys) and same_quantity(desired, observed) else [path]
+
+
+def _named_list(keys: tuple[str, ...], items: list[Any]) -> bool:
+    """True for a pod template's ``containers``, ``initContainers`` or ``volumes``: items matched by name."""
+    return (
+        len(keys) >= 3
+        and keys[-3:-1] == ("template", "spec")
+        and keys[-1] in _NAMED_LISTS
+        and all(isinstance(item, Mapping) and isinstance(item.get("name"), str) for item in items)
+    )
+
+
+def _by_name(items: Sequence[Any]) -> dict[str, Mapping[str, Any]]:
+    return {item["name"]: item for item in items if isinstance(item, Mapping) and isinstance(item.get("name"), str)}
+
+
+def _owned_whole(desired: Manifest, observed: Mapping[str, Any]) -> list[str]:
+    """Paths of what ``observed`` holds beyond ``desired`` where the operator owns the whole field: the
+    ``_AUTHORITATIVE`` fields, the router token's keys, and a pod template's dangerous additions."""
+    kind = desired.get("kind")
+    out: list[str] = []
+    for field in _AUTHORITATIVE.get(str(kind), ()):
+        out += _extra(desired.get(field), observed.get(field), field, (field,))
+    if kind == _TOKEN_SECRET:
+        out += _token_problems(observed)
+    if kind == "Deployment":
+        out += _pod_dangers(_template_spec(desired), _template_spec(observed), "spec.template.spec")
+    return out
+
+
+def _extra(desired: Any, observed: Any, path: str, keys: tuple[str, ...]) -> list[str]:
+    """Paths of fields ``observed`` has and ``desired`` does not send (server defaults aside)."""
+    if isinstance(desired, Mapping) and isinstance(observed, Mapping):
+        out: list[str] = []
+        for key, value in observed.items():
+            here, below = f"{path}.{key}", (*keys, str(key))
+            if desired.get(key) is None:
+                out += [] if value is None or _defaulted(below, value) else [here]
+            else:
+                out += _extra(desired[key], value, here, below)
+        return out
+    if isinstance(desired, list) and isinstance(observed, list):
+        out = []
+        for index, (want, have) in enumerate(zip(desired, observed, strict=False)):
+            out += _extra(want, have, f"{path}[{index}]", (*keys, "[]"))
+        return out
+    return []  # a different value or length is drift's to report
+
+
+def _defaulted(keys: tuple[str, ...], value: Any) -> bool:
+    return value in _SERVER_DEFAULTS.get(keys, ())
+
+
+def _without_extras(desired: Any, observed: Any, keys: tuple[str, ...]) -> Any:
+    """``desired`` as a merge patch that also removes what ``observed`` has beyond it: ``None`` for a map key
+    (server defaults kept); a list is replaced whole by the patch anyway."""
+    if not isinstance(desired, Mapping) or not isinstance(observed, Mapping):
+        return desired
+    out = {key: _without_extras(value, observed.get(key), (*keys, str(key))) for key, value in desired.items()}
+    for key, value in observed.items():
+        if key not in out and value is not None and not _defaulted((*keys, str(key)), value):
+            out[key] = None
+    return out
+
+
+def _token(secret: Mapping[str, Any]) -> str | None:
+    """The router token the Secret holds (base64, as stored), or ``None`` when it is missing or empty."""
+    value = (secret.get("data") or {}).get(TOKEN_KEY)
+    if not isinstance(value, str):
+        return None
+    try:
+        decoded = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return value if decoded.strip() else None
+
+
+def _token_problems(secret: Mapping[str, Any]) -> list[str]:
+    data = secret.get("data") or {}
+    extra = [f"data.{key}" for key in data if key != TOKEN_KEY] if isinstance(data, Mapping) else ["data"]
+    return ([] if _token(secret) is not None else [f"data.{TOKEN_KEY}"]) + extra
+
+
+def _template_spec(deployment: Mapping[str, Any]) -> Mapping[str, Any]:
+    template = (deployment.get("spec") or {}).get("template") or {}
+    spec = template.get("spec") if isinstance(template, Mapping) else None
+    return spec if isinstance(spec, Mapping) else {}
+
+
+def _pod_dangers(desired: Mapping[str, Any], observed: Mapping[str, Any], path: str) -> list[str]:
+    """Paths of the security-relevant additions to a pod spec that ``desired`` does not ask for: a host
+    namespace, a privileged container, privilege escalation, added capabilities, a hostPath volume."""
+    out = [f"{path}.{field}" for field in _HOST_NAMESPACES if observed.get(field) is True and not desired.get(field)]
+    for field in ("containers", "initContainers", "ephemeralContainers"):
+        wanted = _by_name(desired.get(field) or [])
+        for index, container in enumerate(observed.get(field) or []):
+            if isinstance(container, Mapping):
+                own = wanted.get(str(container.get("name")), {})
+                out += [
+                    f"{path}.{field}[{index}].securityContext.{name}" for name in _container_dangers(own, container)
+                ]
+    wanted_volumes = _by_name(desired.get("volumes") or [])
+    for index, volume in enumerate(observed.get("volumes") or []):
+        if (
+            isinstance(volume, Mapping)
+            and volume.get("hostPath") is not None
+            and wanted_volumes.get(str(volume.get("name")), {}).get("hostPath") is None
+        ):
+            out.append(f"{path}.volumes[{index}].hostPath")
+    return out
+
+
+def _container_dangers(desired: Mapping[str, Any], observed: Mapping[str, Any]) -> list[str]:
+    """The ``securityContext`` fields of ``observed`` that give more than ``desired`` does."""
+    want, have = desired.get("securityContext") or {}, observed.get("securityContext") or {}
+    if not isinstance(have, Mapping):
+        return []
+    out = [f for f in ("privileged", "allowPrivilegeEscalation") if have.get(f) is True and want.get(f) is not True]
+    added = (have.get("capabilities") or {}).get("add") or []
+    if set(added) - set((want.get("capabilities") or {}).get("add") or []):
+        out.append("capabilities.add")
+    return out
+
+
+def _patch_body(wanted: Manifest, current: Mapping[str, Any]) -> Manifest:
+    """The merge patch that brings ``current`` to ``wanted``: the desired object, plus what removes the extras
+    of the fields the operator owns whole, and for a Deployment the tolerated additions of others, kept."""
+    kind = wanted.get("kind")
+    body = dict(wanted)
+    for field in _AUTHORITATIVE.get(str(kind), ()):
+        if field in body:
+            body[field] = _without_extras(body[field], current.get(field), (field,))
+    if kind == _TOKEN_SECRET:
+        data = current.get("data") if isinstance(current.get("data"), Mapping) else {}
+        removed: dict[str, Any] = {key: None for key in data or {} if key != TOKEN_KEY}
+        token = _token(current)
+        # NOTE: no token here means "generate one": the adapter fills a missing token in (it is random, not pure)
+        body["data"] = {**removed, **({TOKEN_KEY: token} if token is not None else {})}
+    if kind == "Deployment":
+        spec = dict(body["spec"])
+        template = dict(spec["template"])
+        template["spec"] = _pod_spec_patch(template["spec"], _template_spec(current))
+        body["spec"] = {**spec, "template": template}
+    return body
+
+
+def _pod_spec_patch(desired: Mapping[str, Any], observed: Mapping[str, Any]) -> Manifest:
+    """``desired`` pod spec with others' containers, init containers and volumes kept after the operator's (a
+    merge patch replaces lists whole), each without its dangerous additions; and host namespaces turned off."""
+    out: Manifest = dict(desired)
+    for field in _HOST_NAMESPACES:
+        if observed.get(field) is True and not desired.get(field):
+            out[field] = None
+    own_volumes = _by_name(desired.get("volumes") or [])
+    dropped = {
+        str(v.get("name"))
+        for v in observed.get("volumes") or []
+        if isinstance(v, Mapping) and v.get("hostPath") is not None
+        and own_volumes.get(str(v.get("name")), {}).get("hostPath") is None
+    }  # fmt: skip
+    for field in _NAMED_LISTS:
+        own = list(desired.get(field) or [])
+        names = {item["name"] for item in own if isinstance(item, Mapping)}
+        theirs = [
+            item for item in observed.get(field) or []
+            if isinstance(item, Mapping) and item.get("name") not in names and item.get("name") not in dropped
+        ]  # fmt: skip
+        if field != "volumes":
+            theirs = [_safe_container(item, dropped) for item in theirs]
+        if theirs:
+            out[field] = [*own, *theirs]
+    return out
+
+
+def _safe_container(container: Mapping[str, Any], dropped_volumes: set[str]) -> Manifest:
+    """Another's container without privilege, privilege escalation, added capabilities or mounts of removed
+    hostPath volumes."""
+    out = dict(container)
+    context = container.get("securityContext")
+    if isinstance(context, Mapping):
+        context = {k: v for k, v in context.items() if k != "privileged" or v is not True}
+        if context.get("allowPrivilegeEscalation") is True:
+            context["allowPrivilegeEscalation"] = False
+        capabilities = context.get("capabilities")
+        if isinstance(capabilities, Mapping) and capabilities.get("add"):
+            context["capabilities"] = {k: v for k, v in capabilities.items() if k != "add"}
+        out["securityContext"] = context
+    mounts = container.get("volumeMounts")
+    if isinstance(mounts, list):
+        out["volumeMounts"] = [m for m in mounts if not (isinstance(m, Mapping) and m.get("name") in dropped_volumes)]
+    return out
 
 
 def _in_resource_list(keys: tuple[str, ...]) -> bool:
