@@ -164,3 +164,14 @@ def test_dockerignore_keeps_local_state_out_of_the_build_context() -> None:
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
 
     assert {".git", ".venv", "e2e", "benchmarks/results"} <= ignored
+
+
+def test_serving_images_run_as_the_numeric_non_root_user_65532() -> None:
+    """The operator renders engine pods with runAsNonRoot and no runAsUser: the images' USER must be numeric."""
+    for dockerfile in (SERVING, ROOT / "images" / "vllm-cpu" / "Dockerfile"):
+        final = stages(instructions(dockerfile.read_text()))[-1]
+        uid, gid = args_of(final, "USER")[-1].split(":")
+        assert (uid, gid) == ("65532", "65532"), dockerfile
+        if dockerfile == SERVING:  # upstream's caches live under /root, which 65532 cannot write
+            env = env_of(final)
+            assert all(env[name].startswith("/home/coserve/") for name in ("HF_HOME", "VLLM_CACHE_ROOT"))

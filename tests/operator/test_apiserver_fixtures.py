@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from conftest import APISERVER_RECORDINGS as FIXTURES
-from coserve.operator.reconcile import ChildKey, Reconciliation, reconcile
+from coserve.operator.reconcile import ChildKey, Reconciliation, drift, reconcile
 from coserve.operator.resources import CHILDREN
 from operator_kmock import as_stored
 
@@ -379,19 +379,47 @@ SCRAPER_DRIFT = (
 # The recorded pool runs on GPUs: its engines render NixlConnector, and this version's router asks for the handoff
 # they provide (router.json's kvTransferParams, derived from the same decision). 8ba8e40's router never did, so
 # the upgrade patches router.json, and the config hash rolls the pods that read it.
+CONFIG_HASH = "spec.template.metadata.annotations.coserve.dev/config-hash"
 HANDOFF_DRIFT = [
     ("patch", "ConfigMap", "assistant-config", "drifted: data.router.json"),
     *(
-        (
-            "patch",
-            "Deployment",
-            f"assistant-{role}",
-            "drifted: spec.template.metadata.annotations.coserve.dev/config-hash",
-        )
+        ("patch", "Deployment", f"assistant-{role}", f"drifted: {CONFIG_HASH}")
         for role in ("prefiller", "decoder", "router")
     ),
 ]
-UPGRADE_DRIFT = [*HANDOFF_DRIFT, SCRAPER_DRIFT]
+
+
+def _security(*where: str) -> list[str]:
+    return [
+        f"spec.template.spec.{at}securityContext.{field}"
+        for at in where
+        for field in ("runAsNonRoot", "seccompProfile")
+    ]
+
+
+# This version's pods pass the Pod Security Standards restricted profile; 8ba8e40's did not. The recorded engine pods
+# lack the pod's runAsNonRoot and seccompProfile (and, with the pool's model cache, the fsGroup that lets the
+# non-root download write it), and each container's; the router's container lacks its seccompProfile. The upgrade
+# patches them in, and the same patches carry the config hash (HANDOFF_DRIFT): every path of each Deployment's
+# patch, of which its reason names the first five.
+SECURITY_DRIFT = {
+    **{
+        f"assistant-{role}": [
+            *_security(""),
+            "spec.template.spec.securityContext.fsGroup",
+            "spec.template.spec.securityContext.fsGroupChangePolicy",
+            *_security("initContainers[0].", "containers[0]."),
+        ]
+        for role in ("prefiller", "decoder")
+    },
+    "assistant-router": ["spec.template.spec.containers[0].securityContext.seccompProfile"],
+}
+UPGRADE_PATHS = {name: [CONFIG_HASH, *paths] for name, paths in SECURITY_DRIFT.items()}
+UPGRADE_DRIFT = [
+    HANDOFF_DRIFT[0],
+    *(("patch", "Deployment", name, "drifted: " + ", ".join(UPGRADE_PATHS[name][:5])) for name in UPGRADE_PATHS),
+    SCRAPER_DRIFT,
+]
 
 
 def recorded_assistant() -> dict[str, Any]:
@@ -434,6 +462,14 @@ def every_kind(source: str = "kubectl-lists") -> Observed:
 
 def decide_assistant(observed: Observed) -> Reconciliation:
     return decide(assistant(), observed, ASSISTANT_NOW)
+
+
+def test_the_upgrade_changes_the_recorded_deployments_only_where_this_version_renders_them_differently() -> None:
+    """Every path each upgrade patch of a Deployment is for (a reason names five): the config hash, the security
+    contexts of the restricted profile, nothing else."""
+    observed = recorded_children()
+    patches = [a for a in decide_assistant(observed).actions if a.kind == "Deployment"]
+    assert {a.name: drift(a.body, observed[(a.kind, a.name)]) for a in patches} == UPGRADE_PATHS
 
 
 @pytest.mark.parametrize("source", ASSISTANT_SOURCES)
@@ -513,9 +549,11 @@ def test_as_stored_is_what_the_server_stored(kind: str) -> None:
             as_recorded["data"]["router.json"] = recorded_router
             differences = _stored_differently(as_stored(as_recorded), stored[(kind, body["metadata"]["name"])])
         if kind == "Deployment":
-            # ... and the config hash of the pods that read it (every Deployment's) follows it
+            # ... and the config hash of the pods that read it (every Deployment's) follows it; the security
+            # contexts of the restricted profile (SECURITY_DRIFT) are new in this version, not in the recording
             hash_path = ".spec.template.metadata.annotations.coserve.dev/config-hash"
-            differences = [d for d in differences if not d.startswith(hash_path + " (")]
+            new = {f".{path} (left out)" for path in SECURITY_DRIFT[body["metadata"]["name"]]}
+            differences = [d for d in differences if not d.startswith(hash_path + " (") and d not in new]
         assert differences == []
         listed = as_stored(body, listed=True)
         assert "apiVersion" not in listed and "kind" not in listed

@@ -570,8 +570,14 @@ def test_engine_container_runs_vllm_with_the_coserve_plugin(role: str) -> None:
         {"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"},
     ]
     assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    assert engine["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-    assert "securityContext" not in pod["spec"]  # the upstream vLLM image runs as root
+    assert engine["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    # restricted; no runAsUser: coserve's engine images run as the numeric user 65532, which the kubelet checks
+    assert pod["spec"]["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8000"
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
@@ -639,6 +645,7 @@ def test_router_runs_coserve_router_with_restricted_security() -> None:
         "runAsNonRoot": True,
         "runAsUser": 65532,
         "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
     assert pod["securityContext"] == {
         "runAsNonRoot": True,
@@ -1350,3 +1357,48 @@ def test_every_option_renders_objects_the_kubernetes_api_accepts(spec: dict[str,
         kubernetes_validate.validate(child, "1.35.0", strict=True)
     assert [p for child in children for p, value in walk(child) if value is None] == []
     assert {"PodDisruptionBudget", "Deployment"} <= {c["kind"] for c in children}
+
+
+def test_security_context_options_are_merged_over_the_restricted_defaults() -> None:
+    engine = {
+        "securityContext": {"runAsUser": 1000, "capabilities": {"add": ["IPC_LOCK"]}},
+        "podSecurityContext": {"runAsGroup": 1000},
+        "decoder": {
+            "securityContext": {"runAsUser": 2000},
+            "podSecurityContext": {"seccompProfile": {"type": "Localhost", "localhostProfile": "vllm.json"}},
+        },
+    }
+    router = {"securityContext": {"readOnlyRootFilesystem": False}, "podSecurityContext": {"runAsUser": 1001}}
+    children = render(make_pool(engine=engine, router=router))
+    decoder, prefiller = pod_template(children, "decoder")["spec"], pod_template(children, "prefiller")["spec"]
+    # maps merge (the role's over the engine-wide, both over the default); a set field replaces the default's
+    assert decoder["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsUser": 2000,
+    }
+    assert prefiller["containers"][0]["securityContext"]["runAsUser"] == 1000
+    assert decoder["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "Localhost", "localhostProfile": "vllm.json"},
+        "runAsGroup": 1000,
+    }
+    assert prefiller["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    router_pod = pod_template(children, "router")["spec"]
+    assert router_pod["securityContext"]["runAsUser"] == 1001
+    assert router_pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is False
+    assert router_pod["containers"][0]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_engines_with_a_model_cache_share_its_group_and_the_download_is_restricted_too() -> None:
+    pool = make_pool(model={**BASE_POOL["spec"]["model"], "cache": {"size": "100Gi"}})
+    pod = pod_template(render(pool), "decoder")["spec"]
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "fsGroup": 65532,
+        "fsGroupChangePolicy": "OnRootMismatch",
+    }
+    assert pod["initContainers"][0]["securityContext"] == pod["containers"][0]["securityContext"]

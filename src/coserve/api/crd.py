@@ -170,6 +170,8 @@ def _convert(node: JsonSchema, defs: Mapping[str, JsonSchema]) -> JsonSchema:
             continue
         else:
             out[key] = value
+    if out.get("x-kubernetes-preserve-unknown-fields") and out.get("additionalProperties") is True:
+        del out["additionalProperties"]  # free-form (a dict[str, Any]): structural schemas say it the Kubernetes way
     if "required" in out:
         out["required"] = sorted(out["required"])
     return out

@@ -737,6 +737,26 @@ class PodOptions(ApiModel):
         description="podAnnotations are added to the pods' annotations; the operator's own "
         "(coserve.dev/config-hash, prometheus.io/scrape, prometheus.io/port, prometheus.io/path) win.",
     )
+    security_context: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_preserve_unknown_fields,
+        description="securityContext is merged over the main container's (and the model-download init "
+        "container's) default, which passes the Pod Security Standards restricted profile: "
+        "allowPrivilegeEscalation false, capabilities drop ALL, runAsNonRoot true, seccompProfile RuntimeDefault "
+        "(the router also runAsUser 65532 and a read-only root filesystem). Fields as in a container's "
+        "securityContext; maps merge, a set field replaces the default. Whatever it loosens (a root user, "
+        "added capabilities, privilege escalation, another seccomp profile) is given up on every pod of the role, "
+        "and a namespace enforcing the restricted profile then refuses them.",
+    )
+    pod_security_context: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_preserve_unknown_fields,
+        description="podSecurityContext is merged over the pod's default securityContext: runAsNonRoot true and "
+        "seccompProfile RuntimeDefault (the router also runAsUser 65532; engines with a model cache fsGroup "
+        "65532). Fields as in a Pod's securityContext; maps merge, a set field replaces the default. "
+        "runAsNonRoot false lets an image run as root, and an Unconfined seccomp profile gives the pods every "
+        "system call: both fail the restricted profile.",
+    )
     topology_spread_constraints: list[TopologySpreadConstraint] | None = Field(
         default=None,
         max_length=_MAX_SPREAD_CONSTRAINTS,

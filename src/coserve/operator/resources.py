@@ -78,6 +78,8 @@ __all__ = [
     "MODEL_DOWNLOAD_CONTAINER",
     "NAME_LABEL",
     "OPTIONAL_CHILDREN",
+    "RESTRICTED_CONTAINER_SECURITY",
+    "RESTRICTED_POD_SECURITY",
     "ROLE_LABEL",
     "ROUTER_CONFIG_KEY",
     "ROUTER_CONFIG_PATH",
@@ -100,6 +102,7 @@ __all__ = [
     "engine_service_host",
     "kv_transfer_config",
     "labels_for",
+    "merged_over",
     "model_download_command",
     "owner_references",
     "pod_template_options",
@@ -160,6 +163,19 @@ _KV_ROLES: dict[EngineRole, str] = {"prefiller": "kv_producer", "decoder": "kv_c
 
 ROUTER_CONTAINER = "router"
 ROUTER_USER_ID = 65532  # "nonroot" in distroless images
+# The user every coserve image runs as (Dockerfile, images/vllm, images/vllm-cpu): 65532:65532, numeric so that
+# the kubelet can check runAsNonRoot. Engine pods with a model cache get it as fsGroup, so the cache is writable.
+IMAGE_USER_ID = 65532
+
+# Pod Security Standards, restricted profile (kubernetes.io/docs/concepts/security/pod-security-standards): what
+# every pod and container gets unless the pool's podSecurityContext / securityContext options loosen it.
+RESTRICTED_POD_SECURITY: Manifest = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER_SECURITY: Manifest = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 # The model cache: a shared volume the model-download init container fills and the engines read.
 MODEL_CACHE_VOLUME = "model-cache"
@@ -331,6 +347,8 @@ class PodTemplateOptions:
     pod_labels: dict[str, str]
     pod_annotations: dict[str, str]
     topology_spread_constraints: list[TopologySpreadConstraint] | None
+    security_context: dict[str, Any]
+    pod_security_context: dict[str, Any]
 
 
 def pod_template_options(spec: SpecModel, component: Literal["prefiller", "decoder", "router"]) -> PodTemplateOptions:
@@ -338,8 +356,8 @@ def pod_template_options(spec: SpecModel, component: Literal["prefiller", "decod
 
     A role extends the engine-wide options: lists are the engine-wide entries then the role's, a role's
     entry replacing an engine-wide one with the same name (volume mounts: the same mountPath) in place;
-    maps are merged, the role's values winning; serviceAccountName, priorityClassName and
-    topologySpreadConstraints are the role's when it sets them.
+    maps are merged, the role's values winning (securityContext and podSecurityContext deeply); serviceAccountName,
+    priorityClassName and topologySpreadConstraints are the role's when it sets them.
     """
     if component == "router":
         return _combined(spec.router, PodOptions(), service_account_name=None)
@@ -361,7 +379,18 @@ def _combined(base: PodOptions, role: PodOptions, *, service_account_name: str |
         pod_labels={**(base.pod_labels or {}), **(role.pod_labels or {})},
         pod_annotations={**(base.pod_annotations or {}), **(role.pod_annotations or {})},
         topology_spread_constraints=spread if spread is not None else base.topology_spread_constraints,
+        security_context=merged_over(base.security_context or {}, role.security_context or {}),
+        pod_security_context=merged_over(base.pod_security_context or {}, role.pod_security_context or {}),
     )
+
+
+def merged_over(defaults: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``override`` merged over ``defaults``: maps merge key by key, any other value of ``override`` replaces."""
+    out = dict(defaults)
+    for key, value in override.items():
+        below = out.get(key)
+        out[key] = merged_over(below, value) if isinstance(below, Mapping) and isinstance(value, Mapping) else value
+    return out
 
 
 def _wire(items: Iterable[ApiModel] | None) -> list[Manifest]:
@@ -670,9 +699,6 @@ def model_download_command(model: ModelSpec) -> list[str]:
     return ["python3", "-m", "coserve.model_cache", "--model", model.name, "--cache-dir", _hub_cache_dir(model.cache)]
 
 
-_ENGINE_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-
-
 def _engine_container(spec: SpecModel, role: EngineRole, options: PodTemplateOptions) -> Manifest:
     engine = spec.engine
     overrides = _role_overrides(engine, role)
@@ -702,7 +728,7 @@ def _engine_container(spec: SpecModel, role: EngineRole, options: PodTemplateOpt
         "readinessProbe": _http_probe("/health", period_s=5, failure_threshold=3, timeout_s=5),
         "lifecycle": {"preStop": {"exec": {"command": drain_command(spec)}}},
         "resources": _resources(overrides.resources or engine.resources),
-        "securityContext": dict(_ENGINE_SECURITY),
+        "securityContext": merged_over(RESTRICTED_CONTAINER_SECURITY, options.security_context),
         "volumeMounts": [
             _config_mount(),
             {"name": "dshm", "mountPath": "/dev/shm"},  # noqa: S108 (a path in the pod)
@@ -729,7 +755,7 @@ def _model_download_container(spec: SpecModel, options: PodTemplateOptions) -> M
         "env": _merged_by("name", _hf_token_env(model), options.env) or None,
         "envFrom": options.env_from or None,
         "resources": MODEL_DOWNLOAD_RESOURCES,
-        "securityContext": dict(_ENGINE_SECURITY),
+        "securityContext": merged_over(RESTRICTED_CONTAINER_SECURITY, options.security_context),
         "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": model.cache.mount_path}, *options.volume_mounts],
     }
 
@@ -759,6 +785,14 @@ def _model_cache_claim(pool: CoServePool) -> Manifest | None:
     }
 
 
+def _engine_pod_security(spec: SpecModel) -> Manifest:
+    """The engine pods' default securityContext: restricted; with a model cache, the images' group owns it, so
+    the model-download init container (a non-root user) can write it (checked only at the root: no slow chown)."""
+    if spec.model.cache is None:
+        return dict(RESTRICTED_POD_SECURITY)
+    return {**RESTRICTED_POD_SECURITY, "fsGroup": IMAGE_USER_ID, "fsGroupChangePolicy": "OnRootMismatch"}
+
+
 def _engine_deployment(pool: CoServePool, role: EngineRole, replicas: int, digest: str) -> Manifest:
     spec = pool.spec
     overrides = _role_overrides(spec.engine, role)
@@ -770,9 +804,10 @@ def _engine_deployment(pool: CoServePool, role: EngineRole, replicas: int, diges
         "imagePullSecrets": options.image_pull_secrets or None,
         # the preStop drain may take drainTimeoutS; vLLM then gets SIGTERM with time left to stop
         "terminationGracePeriodSeconds": spec.engine.drain_timeout_s + DRAIN_GRACE_MARGIN_S,
+        # NOTE: runAsNonRoot without a runAsUser: coserve's engine images run as the numeric user 65532, which
+        # the kubelet checks; an image running as root is refused (podSecurityContext can loosen that).
+        "securityContext": merged_over(_engine_pod_security(spec), options.pod_security_context),
         "initContainers": [download] if download is not None else None,
-        # NOTE: runAsNonRoot is not forced: the upstream vLLM image runs as root, and the kubelet
-        # refuses to start a root image under runAsNonRoot. The container still drops every capability.
         "containers": [_engine_container(spec, role, options)],
         "volumes": [
             _config_volume(pool),
@@ -864,13 +899,10 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "livenessProbe": _http_probe("/live", period_s=10, failure_threshold=3),
         "readinessProbe": _http_probe("/ready", period_s=5, failure_threshold=3),
         "resources": _resources(router.resources),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": ROUTER_USER_ID,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": merged_over(
+            {**RESTRICTED_CONTAINER_SECURITY, "readOnlyRootFilesystem": True, "runAsUser": ROUTER_USER_ID},
+            options.security_context,
+        ),
         # A read-only root still needs somewhere for Python's temporary files.
         "volumeMounts": [
             _config_mount(),
@@ -890,11 +922,9 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "serviceAccountName": child_name(pool.metadata.name, "router"),
         "priorityClassName": options.priority_class_name,
         "imagePullSecrets": options.image_pull_secrets or None,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": ROUTER_USER_ID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": merged_over(
+            {**RESTRICTED_POD_SECURITY, "runAsUser": ROUTER_USER_ID}, options.pod_security_context
+        ),
         "containers": [container],
         "volumes": [
             _config_volume(pool),
