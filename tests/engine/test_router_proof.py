@@ -211,3 +211,29 @@ def test_demote_keeps_everything_but_the_class_claims() -> None:
     body = {"prompt": "x", "priority": -5, "vllm_xargs": {"coserve_class": "interactive", "tpot_slo_ms": 5, "k": 1}}
     assert demote(body, "offline") == {"prompt": "x", "vllm_xargs": {"k": 1, "coserve_class": "offline"}}
     assert demote({"prompt": "x"}, "offline") == {"prompt": "x", "vllm_xargs": {"coserve_class": "offline"}}
+
+
+def test_the_engine_follows_a_rotated_token_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator regenerates an emptied token; the kubelet swaps the mounted file: no engine restart."""
+    token_file = tmp_path / "token"
+    token_file.write_bytes(b"first-token")
+    monkeypatch.setenv("COSERVE_ROUTER_TOKEN_FILE", str(token_file))
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(CONFIG))
+    middleware = RequestClassValidator(vllm_app([]), load_engine_config(str(path), 256))
+    now = [0.0]
+    assert middleware._token_file is not None
+    middleware._token_file._clock = lambda: now[0]  # the file's clock, not the wall's: no sleeps
+    middleware._token_file._checked = 0.0
+
+    def trusted(token: bytes) -> bool:
+        return middleware._from_router({"headers": [(ROUTER_TOKEN_HEADER.encode(), token)]})
+
+    assert trusted(b"first-token") and not trusted(b"second-token")
+    fresh = tmp_path / "token.new"
+    fresh.write_bytes(b"second-token")
+    fresh.replace(token_file)
+    now[0] = 5.0
+    assert trusted(b"second-token") and trusted(b"first-token")  # the old one for its grace
+    now[0] = 500.0
+    assert trusted(b"second-token") and not trusted(b"first-token")

@@ -57,6 +57,7 @@ from coserve.engine.safepoint import SafepointBoard, board_name
 from coserve.scheduling import InvalidRequestClass, RunningStep, SchedRequest, should_preempt
 from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
 from coserve.scheduling.requests import ClassRegistry
+from coserve.token_file import TokenFile
 
 __all__ = [
     "ROUTER_TOKEN_FILE_ENV",
@@ -208,7 +209,12 @@ class RequestClassValidator:
         self.app = app
         self.config = config or load_engine_config(os.environ.get("COSERVE_CONFIG"), 2048)
         self.classes: ClassRegistry = self.config.classes
-        self.router_token = router_token or load_router_token(os.environ.get(ROUTER_TOKEN_FILE_ENV))
+        # a fixed token (tests, embedding), else the mounted Secret's file, re-read when it changes
+        self.router_token = router_token
+        path = os.environ.get(ROUTER_TOKEN_FILE_ENV) if router_token is None else None
+        if path:
+            load_router_token(path)  # an unreadable or empty file stops the engine at start-up, naming it
+        self._token_file = TokenFile(path, variable=ROUTER_TOKEN_FILE_ENV) if path else None
         self._lowest = max((self.classes.get(n) for n in self.classes.names), key=lambda c: c.rank).name
         offline = self.config.offline_class
         self._offline_rank = self.classes.get(offline).rank if offline is not None else None
@@ -313,11 +319,14 @@ class RequestClassValidator:
 
     def _from_router(self, scope: Scope) -> bool:
         """The request carries the pool's router token (compared in constant time)."""
-        if self.router_token is None:
+        if self.router_token is None and self._token_file is None:
             return True
         for key, value in scope.get("headers") or []:
             if key.lower() == ROUTER_TOKEN_HEADER.encode():
-                return hmac.compare_digest(bytes(value).strip(), self.router_token)
+                sent = bytes(value).strip()
+                if self._token_file is not None:
+                    return self._token_file.accepts(sent)
+                return hmac.compare_digest(sent, self.router_token or b"")
         return False
 
     def _watch_hand_off(self, scope: Scope) -> bool:
