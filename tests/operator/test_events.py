@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from coserve.operator.events import EventRecorder, event_name
-from coserve.operator.kube import KubeClient, config_for
+from coserve.operator.kube import KubeClient, KubeError, config_for
 from coserve.operator.reconcile import PoolEvent
 from operator_kmock import NS, POOL, ApiServerEmulator, declare_resources
 
@@ -91,7 +91,8 @@ async def test_a_repeated_event_is_one_object_counted_with_one_post(
     assert event["reportingInstance"] == "replica-a"
     assert event["source"] == {"component": "coserve-operator"}
     assert event["reportingComponent"] == "coserve.dev/coserve-operator"
-    assert event_requests(kmock) == ["POST", "PATCH", "PATCH"]  # counted from memory: no reads
+    # each increment is counted on the Event as read, never on a remembered count
+    assert event_requests(kmock) == ["POST", "GET", "PATCH", "GET", "PATCH"]
 
     # a different message is a different Event
     await recorder.post(NS, POOL, PoolEvent("Normal", "Scaled", "decoders 3 -> 4"))
@@ -139,7 +140,7 @@ async def test_an_expired_event_is_created_afresh(kmock: kmocklib.KubernetesEmul
     event = stored_events(kmock)[name]
     assert event["count"] == 1
     assert event["firstTimestamp"] == event["lastTimestamp"] == stamp(T0 + timedelta(seconds=3600))
-    assert event_requests(kmock)[-3:] == ["DELETE", "PATCH", "POST"]  # the increment is answered 404
+    assert event_requests(kmock)[-3:] == ["DELETE", "GET", "POST"]  # the increment's read finds it gone
     await recorder.post(NS, POOL, SCALED)
     assert stored_events(kmock)[name]["count"] == 2
 
@@ -204,3 +205,43 @@ async def test_a_conflict_answered_with_a_charset_is_still_a_conflict(
     await EventRecorder(kube, clock=Clock()).post(NS, POOL, HELD)  # 409, read back, counted
     (event,) = stored_events(kmock).values()
     assert event["count"] == 2
+
+
+async def test_an_increment_survives_a_conflict_with_another_replica(
+    kmock: kmocklib.KubernetesEmulator, kube: KubeClient
+) -> None:
+    """A failover: replica B counted the Event after A last did. A's increment must not undo B's.
+
+    kmock keeps no resourceVersion, so the test gives the Event one and makes A's patches conditional on
+    it, as the API server does: a patch naming another resourceVersion is answered 409.
+    """
+    name = event_name("chat", "uid-chat", HELD)
+    a = EventRecorder(kube, instance="replica-a", clock=Clock())
+    await a.post(NS, POOL, HELD)  # count 1, created by A
+    async with KubeClient(config_for(str(kmock.url).rstrip("/"))) as other:
+        await other.merge_patch("Event", NS, name, {"metadata": {"resourceVersion": "1"}})
+        patch, read = kube.merge_patch, kube.get
+        conflicts: list[str] = []
+
+        async def conditional(kind: str, namespace: str, obj: str, body: Any, subresource: str | None = None) -> Any:
+            stored = (await other.get(kind, namespace, obj) or {}).get("metadata") or {}
+            sent = (body.get("metadata") or {}).get("resourceVersion")
+            if sent is not None and sent != stored.get("resourceVersion"):
+                conflicts.append(sent)
+                raise KubeError(409, "Conflict", "the object has been modified")
+            bumped = str(int(stored.get("resourceVersion") or 0) + 1)
+            return await patch(kind, namespace, obj, {**body, "metadata": {"resourceVersion": bumped}}, subresource)
+
+        async def read_then_b_counts(kind: str, namespace: str, obj: str) -> Any:
+            found = await read(kind, namespace, obj)
+            if kind == "Event" and not conflicts:  # B counts between A's read and A's write, once
+                await other.merge_patch(kind, namespace, obj, {"count": 2, "metadata": {"resourceVersion": "2"}})
+            return found
+
+        kube.merge_patch = conditional  # type: ignore[method-assign]
+        kube.get = read_then_b_counts  # type: ignore[method-assign]
+        await a.post(NS, POOL, HELD)
+    (event,) = stored_events(kmock).values()
+    assert conflicts == ["1"]  # A's first increment was conditioned on what it read, and refused
+    assert event["count"] == 3  # B's increment and A's: counts never go back
+    assert event["metadata"]["resourceVersion"] == "3"

@@ -16,7 +16,7 @@ import kmock as kmocklib
 import pytest
 import pytest_asyncio
 
-from coserve.operator.kube import KubeClient, KubeError, config_for
+from coserve.operator.kube import KubeClient, KubeError, NotLeading, config_for
 from coserve.operator.leader import LeaderElector, LeaseSettings, micro_time, next_record
 from operator_kmock import NS, ApiServerEmulator, declare_resources, eventually
 
@@ -117,6 +117,34 @@ def test_lease_settings_reject_an_empty_identity_and_take_client_go_defaults() -
         LeaseSettings("coserve-operator", NS, "")
     settings = LeaseSettings("coserve-operator", NS, "a")
     assert (settings.lease_duration_s, settings.renew_deadline_s, settings.retry_period_s) == (15.0, 10.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("timing", "margin"),
+    [
+        ({"call_timeout_s": 5.0}, "15.0 - 10.0 = 5.0 s"),  # equal to the margin: not shorter
+        ({"call_timeout_s": 30.0}, "15.0 - 10.0 = 5.0 s"),  # lightkube's usual 30 s
+        ({"call_timeout_s": 0.0}, "15.0 - 10.0 = 5.0 s"),
+        (
+            {"lease_duration_s": 6.0, "renew_deadline_s": 4.0, "retry_period_s": 1.0, "call_timeout_s": 2.5},
+            "6.0 - 4.0 = 2.0 s",
+        ),
+    ],
+)
+def test_lease_settings_reject_a_call_timeout_as_long_as_the_renew_margin(
+    timing: dict[str, float], margin: str
+) -> None:
+    with pytest.raises(ValueError, match="call_timeout_s must be positive and shorter than") as raised:
+        LeaseSettings("coserve-operator", NS, "a", **timing)
+    assert "lease_duration_s - renew_deadline_s" in str(raised.value)
+    assert margin in str(raised.value)
+
+
+def test_the_call_timeout_is_derived_from_the_renew_margin_unless_set() -> None:
+    assert LeaseSettings("coserve-operator", NS, "a").call_timeout == 4.0  # 4/5 of 15 - 10
+    fast = LeaseSettings("coserve-operator", NS, "a", lease_duration_s=4.0, renew_deadline_s=2.4, retry_period_s=0.4)
+    assert fast.call_timeout < 4.0 - 2.4
+    assert LeaseSettings("coserve-operator", NS, "a", call_timeout_s=4.5).call_timeout == 4.5
 
 
 # --- LeaderElector against the emulator, with fake clocks ------------------------------------------------
@@ -446,3 +474,137 @@ async def test_a_partitioned_holder_says_it_stands_by(
     finally:
         run_a.cancel()
         await asyncio.gather(run_a, return_exceptions=True)
+
+
+# --- fenced writes and a deleted Lease ------------------------------------------------------------------
+
+
+def writes_to(kmock: kmocklib.KubernetesEmulator, plural: str) -> list[tuple[str, str | None]]:
+    """(method, object name) of every write the emulator received on ``plural``, in order."""
+    out = []
+    for r in kmock:
+        method = str(r.method).upper().rsplit(".", 1)[-1]
+        if r.resource is not None and r.resource.plural == plural and method in ("POST", "PATCH", "PUT", "DELETE"):
+            out.append((method, r.name or ((r.data or {}).get("metadata") or {}).get("name")))
+    return out
+
+
+def config_map(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"by": name}}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("delayed", "sent"), [(11.0 - EPS, True), (11.0, False), (14.0, False)])
+async def test_a_write_delayed_past_the_lease_is_never_sent(
+    kmock: kmocklib.KubernetesEmulator, kubes: tuple[KubeClient, KubeClient], delayed: float, sent: bool
+) -> None:
+    """Leading was checked before a slow step (a Prometheus query); the write after it is fenced.
+
+    With a 15 s Lease renewed at 0 and a 4 s call timeout, a write may start until 11 s: a write
+    sent later could still be in flight when another replica takes over at 15 s.
+    """
+    clock = Clock(0.0)
+    a = elector(kubes[0], "a", clock)
+    assert await a.try_acquire_or_renew()
+    async with KubeClient(config_for(str(kmock.url).rstrip("/")), timeout_s=4.0) as client:
+        writer = client.fenced(a.fence)
+        await writer.create("ConfigMap", NS, config_map("before"))
+        assert a.is_leader  # the handler's check, then the slow step: nothing renews meanwhile
+        clock.advance(delayed)
+        if sent:
+            await writer.merge_patch("ConfigMap", NS, "before", {"data": {"late": "yes"}})
+        else:
+            with pytest.raises(NotLeading, match="patch ConfigMap before not sent: the lease is valid for"):
+                await writer.merge_patch("ConfigMap", NS, "before", {"data": {"late": "yes"}})
+            with pytest.raises(NotLeading):
+                await writer.create("ConfigMap", NS, config_map("late"))
+            with pytest.raises(NotLeading):
+                await writer.delete("ConfigMap", NS, "before")
+    expected = [("POST", "before")] + ([("PATCH", "before")] if sent else [])
+    assert writes_to(kmock, "configmaps") == expected  # the API server never received the fenced writes
+
+
+@pytest.mark.asyncio
+async def test_a_fence_without_the_lease_sends_nothing(
+    kmock: kmocklib.KubernetesEmulator, kubes: tuple[KubeClient, KubeClient]
+) -> None:
+    a, b = elector(kubes[0], "a", Clock(0.0)), elector(kubes[1], "b", Clock(0.0))
+    assert await a.try_acquire_or_renew()
+    assert not await b.try_acquire_or_renew()
+    async with KubeClient(config_for(str(kmock.url).rstrip("/")), timeout_s=1.0) as client:
+        with pytest.raises(NotLeading, match="does not hold the lease"):
+            await client.fenced(b.fence).create("ConfigMap", NS, config_map("b"))
+        # a client whose timeout outlasts the Lease itself never writes, even right after a renewal
+        with pytest.raises(NotLeading):
+            await kubes[0].fenced(a.fence).create("ConfigMap", NS, config_map("a"))
+    assert writes_to(kmock, "configmaps") == []
+
+
+@pytest.mark.asyncio
+async def test_a_404_on_renewal_ends_leadership_at_once(
+    kmock: kmocklib.KubernetesEmulator, kubes: tuple[KubeClient, KubeClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock(0.0)
+    a = elector(kubes[0], "a", clock)
+    assert await a.try_acquire_or_renew()
+    a.leading.set()
+    read = kubes[0].get
+
+    async def read_then_deleted(kind: str, namespace: str, name: str) -> Any:
+        found = await read(kind, namespace, name)
+        if kind == "Lease":
+            await kubes[1].delete("Lease", namespace, name)  # deleted between the read and the renewal
+        return found
+
+    a.kube.get = read_then_deleted  # type: ignore[method-assign]
+    clock.advance(2.0)
+    assert not await a.try_acquire_or_renew()
+    assert not a.is_leader and not a.leading.is_set()  # at once, not at the renew deadline 8 s later
+    assert "a stops leading: the Lease was deleted (404 on renewal)" in caplog.text
+    async with KubeClient(config_for(str(kmock.url).rstrip("/")), timeout_s=4.0) as client:
+        with pytest.raises(NotLeading):
+            await client.fenced(a.fence).create("ConfigMap", NS, config_map("a"))
+    # a candidate again: the next round creates the Lease anew
+    a.kube.get = read  # type: ignore[method-assign]
+    clock.advance(2.0)
+    assert await a.try_acquire_or_renew()
+    assert lease(kmock)["holderIdentity"] == "a"
+
+
+@pytest.mark.asyncio
+async def test_after_the_lease_is_deleted_the_old_leader_stops_before_a_new_one_acts(
+    kmock: kmocklib.KubernetesEmulator, kubes: tuple[KubeClient, KubeClient]
+) -> None:
+    clock_a, clock_b = Clock(0.0), Clock(900.0)
+    a, b = elector(kubes[0], "a", clock_a), elector(kubes[1], "b", clock_b)
+    server = str(kmock.url).rstrip("/")
+    async with (
+        KubeClient(config_for(server), timeout_s=4.0) as client_a,
+        KubeClient(config_for(server), timeout_s=4.0) as client_b,
+    ):
+        writer_a, writer_b = client_a.fenced(a.fence), client_b.fenced(b.fence)
+        assert await a.try_acquire_or_renew()
+        assert not await b.try_acquire_or_renew()  # B sees A's record
+        await writer_a.create("ConfigMap", NS, config_map("a-1"))
+        await kubes[1].delete("Lease", NS, "coserve-operator")  # e.g. kubectl delete lease
+        clock_a.advance(1.0)
+        clock_b.advance(1.0)
+        # B's round comes first: the Lease is gone, but A's record was live a second ago on B's clock
+        assert not await b.try_acquire_or_renew()
+        assert not b.is_leader
+        with pytest.raises(NotLeading):
+            await writer_b.create("ConfigMap", NS, config_map("b-0"))
+        # A's round: its Lease is gone, so it stops at once
+        assert not await a.try_acquire_or_renew()
+        assert not a.is_leader
+        with pytest.raises(NotLeading):
+            await writer_a.create("ConfigMap", NS, config_map("a-2"))
+        # B keeps off until A's record would have expired on its clock, then takes a fresh Lease
+        clock_b.advance(13.0)
+        assert not await b.try_acquire_or_renew()
+        clock_b.advance(1.0)
+        assert await b.try_acquire_or_renew()
+        assert not a.is_leader
+        await writer_b.create("ConfigMap", NS, config_map("b-1"))
+    assert writes_to(kmock, "configmaps") == [("POST", "a-1"), ("POST", "b-1")]
+    assert lease(kmock)["holderIdentity"] == "b"

@@ -94,7 +94,7 @@ from coserve.operator.deletion_cost import (
     deletion_costs,
     pinned_conversations_query,
 )
-from coserve.operator.kube import KubeClient, KubeError
+from coserve.operator.kube import KubeClient, KubeError, NotLeading
 from coserve.operator.metrics import AUTOSCALER_EVALUATIONS
 from coserve.operator.reconcile import PoolEvent
 from coserve.operator.resources import child_name, selector_for
@@ -335,6 +335,8 @@ class Autoscaler:
     async def _evaluate_logged(self, namespace: str, name: str) -> None:
         try:
             await self.evaluate(namespace, name)
+        except NotLeading as error:  # the Lease may expire before the write lands: skip
+            logger.info("%s/%s: not leading, autoscaling skipped: %s", namespace, name, error)
         except Exception:  # one pool's failure must not stop the others' autoscaling
             logger.exception("%s/%s: autoscaling evaluation failed", namespace, name)
 

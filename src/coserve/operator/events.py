@@ -12,6 +12,11 @@ so a restarted operator finds the Event its predecessor posted (a create answere
 409 becomes an increment) and two replicas never post twins. An Event the API
 server has expired (its TTL, an hour by default) is created afresh.
 
+The count is never taken from memory: each increment reads the Event and writes
+``count + 1`` conditioned on the ``resourceVersion`` it read, so a write by another
+replica meanwhile (a failover) makes the API server answer 409, and the Event is
+read again and counted on what it holds (``attempts`` times at most). Counts only go up.
+
 Posting never raises: a failure is logged, since an Event is a report, not state.
 """
 
@@ -43,7 +48,7 @@ def event_name(pool_name: str, pool_uid: str | None, event: PoolEvent) -> str:
 
 
 class EventRecorder:
-    """One per operator; remembers the counts of the last ``capacity`` Events it posted."""
+    """One per operator; posts and counts Events on the API server's view, never on a remembered count."""
 
     def __init__(
         self,
@@ -52,12 +57,15 @@ class EventRecorder:
         instance: str | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         capacity: int = 4096,
+        attempts: int = 5,
     ) -> None:
         self.kube = kube
         self.instance = instance or os.environ.get("HOSTNAME", MANAGED_BY)
         self.clock = clock
+        self.attempts = attempts
         self.capacity = capacity
-        self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()  # (namespace, event name) -> count
+        # the last ``capacity`` Events this recorder saw exist: for them the first request is the read
+        self._posted: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     async def post(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
         """Post ``event`` on ``pool``, or count it again when the same Event exists."""
@@ -66,38 +74,49 @@ class EventRecorder:
         name = event_name(pool_name, metadata.get("uid"), event)
         now = rfc3339(self.clock())
         try:
-            seen = self._seen.get((namespace, name))
-            if seen is not None and await self._increment(namespace, name, seen + 1, now):
-                return
-            try:
-                await self.kube.create("Event", namespace, self._body(namespace, name, pool, event, now))
-                self._remember(namespace, name, 1)
-            except KubeError as error:
-                if error.status != 409:
-                    raise
-                existing = await self.kube.get("Event", namespace, name)  # a predecessor posted it
-                count = int((existing or {}).get("count") or 1)
-                await self._increment(namespace, name, count + 1, now)
+            for _ in range(self.attempts):
+                if await self._once(namespace, name, pool, event, now):
+                    return
+            logger.warning("%s/%s: event %s kept changing during %d attempts; not counted",
+                           namespace, pool_name, event.reason, self.attempts)  # fmt: skip
         except KubeError as error:
             logger.warning("%s/%s: could not post event %s: %s", namespace, pool_name, event.reason, error)
 
-    async def _increment(self, namespace: str, name: str, count: int, now: str) -> bool:
-        """``False`` when the Event is gone (expired): create it again."""
+    async def _once(self, namespace: str, name: str, pool: Mapping[str, Any], event: PoolEvent, now: str) -> bool:
+        """One attempt: read, then increment with the read's resourceVersion (or create); ``False``: again."""
+        key = (namespace, name)
+        existing = await self.kube.get("Event", namespace, name) if key in self._posted else None
+        if existing is None:
+            try:
+                await self.kube.create("Event", namespace, self._body(namespace, name, pool, event, now))
+            except KubeError as error:
+                if error.status != 409:
+                    raise
+                self._remember(key)  # a predecessor (or another replica) posted it: count on it
+                return False
+            self._remember(key)
+            return True
+        patch: dict[str, Any] = {"count": int(existing.get("count") or 1) + 1, "lastTimestamp": now}
+        version = (existing.get("metadata") or {}).get("resourceVersion")
+        if version:
+            patch["metadata"] = {"resourceVersion": version}  # 409 if anyone wrote it since the read
         try:
-            await self.kube.merge_patch("Event", namespace, name, {"count": count, "lastTimestamp": now})
+            await self.kube.merge_patch("Event", namespace, name, patch)
         except KubeError as error:
-            if error.status == 404:
-                self._seen.pop((namespace, name), None)
+            if error.status == 404:  # expired meanwhile: create it afresh
+                self._posted.pop(key, None)
+                return False
+            if error.status == 409:
                 return False
             raise
-        self._remember(namespace, name, count)
+        self._remember(key)
         return True
 
-    def _remember(self, namespace: str, name: str, count: int) -> None:
-        self._seen[(namespace, name)] = count
-        self._seen.move_to_end((namespace, name))
-        while len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
+    def _remember(self, key: tuple[str, str]) -> None:
+        self._posted[key] = None
+        self._posted.move_to_end(key)
+        while len(self._posted) > self.capacity:
+            self._posted.popitem(last=False)
 
     def _body(self, namespace: str, name: str, pool: Mapping[str, Any], event: PoolEvent, now: str) -> dict[str, Any]:
         metadata = pool.get("metadata") or {}

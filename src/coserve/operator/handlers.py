@@ -69,7 +69,7 @@ from coserve.api.resource import GROUP, KIND, PLURAL, VERSION
 from coserve.operator.autoscaler import Autoscaler
 from coserve.operator.cache import ObjectCache
 from coserve.operator.events import EventRecorder
-from coserve.operator.kube import KubeClient, KubeError, describe, fetch_credential
+from coserve.operator.kube import KubeClient, KubeError, NotLeading, describe, fetch_credential
 from coserve.operator.leader import LeaderElector, LeaseSettings
 from coserve.operator.metrics import (
     CHILD_CHANGES,
@@ -153,6 +153,9 @@ class PoolReconciler:
             started = time.perf_counter()
             try:
                 result = await self._reconcile(namespace, name)
+            except NotLeading as error:  # the Lease may expire before a write: skipped, not failed
+                flight.result, flight.error = None, error
+                raise
             except Exception as error:
                 RECONCILES.labels("error").inc()
                 flight.result, flight.error = None, error
@@ -427,18 +430,25 @@ def build_registry(
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure(settings, scanning=scanning)
         logger.info("API server: %s", describe(config()))
-        kube = KubeClient(config())
-        reconciler = PoolReconciler(kube, cache=cache, image_tag=tag)
-        state["reconciler"] = reconciler
+        # With a Lease, every call gets a timeout shorter than the margin between the renew deadline and
+        # the lease duration, and every write by the reconciler, the autoscaler and the event recorder is
+        # fenced: it is sent only while the Lease outlives the write's timeout (coserve.operator.leader).
+        kube = KubeClient(config(), timeout_s=lease.call_timeout) if lease is not None else KubeClient(config())
+        writer = kube
+        elector: LeaderElector | None = None
         if lease is not None:
             elector = LeaderElector(kube, lease, on_started_leading=wake.set)
+            writer = kube.fenced(elector.fence)
+        reconciler = PoolReconciler(writer, cache=cache, image_tag=tag)
+        state["reconciler"] = reconciler
+        if elector is not None:
             state["elector"] = elector
             state["leading"] = asyncio.create_task(elector.run())
         else:
             wake.set()
         state["resync"] = asyncio.create_task(resync_forever())
         autoscaler = Autoscaler(
-            kube,
+            writer,
             cache,
             read_profile=reconciler.read_profile,
             post_event=reconciler.post_event,
@@ -492,6 +502,8 @@ def build_registry(
             return
         try:
             await reconciler.reconcile(namespace, name)
+        except NotLeading as error:  # the Lease may expire before the write lands: the next leader acts
+            logger.info("%s/%s: not leading, reconcile skipped: %s", namespace, name, error)
         except KubeError as error:
             raise kopf.TemporaryError(f"the API server refused a change: {error}", delay=5) from error
 

@@ -33,9 +33,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -70,6 +71,8 @@ __all__ = [
     "Credential",
     "KubeClient",
     "KubeError",
+    "NotLeading",
+    "WriteFence",
     "config_for",
     "describe",
     "fetch_credential",
@@ -108,6 +111,18 @@ class KubeError(RuntimeError):
         self.status = status
         self.reason = reason
         self.message = message
+
+
+class NotLeading(Exception):
+    """A write was not sent: this replica's Lease may expire before the write's timeout (``KubeClient.fenced``).
+
+    Deliberately not a ``KubeError``: code that reports API errors must not catch it; the
+    handlers treat it as "not the leader: skip".
+    """
+
+
+WriteFence = Callable[[str, str, str, float], None]
+"""``fence(verb, kind, name, timeout_s)``: returns when the write may be sent, raises ``NotLeading`` otherwise."""
 
 
 # --- credentials ----------------------------------------------------------------------------------
@@ -299,9 +314,34 @@ class KubeClient:
     """
 
     def __init__(self, config: SingleConfig, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self._fence: WriteFence | None = None
         self._client = lightkube.AsyncClient(
             config, timeout=httpx2.Timeout(timeout_s), field_manager=FIELD_MANAGER, trust_env=False
         )
+
+    def fenced(self, fence: WriteFence) -> KubeClient:
+        """This client (same connection) with every write (create, merge patch, delete) fenced.
+
+        Before a write is sent, ``fence(verb, kind, name, timeout_s)`` must return (it raises
+        ``NotLeading`` when the Lease could expire within ``timeout_s``), and the write then gets
+        ``timeout_s`` in all: connecting, sending and reading together, not each. The leader
+        elector keeps the unfenced client: renewing the Lease is what the fence protects.
+        """
+        clone = copy.copy(self)
+        clone._fence = fence
+        return clone
+
+    async def _write(self, verb: str, kind: str, name: str, call: Callable[[], Any]) -> Any:
+        """The one way out for writes: fenced (when a fence is set), then sent within ``timeout_s``."""
+        if self._fence is None:
+            return await self._call(call())
+        self._fence(verb, kind, name, self.timeout_s)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._call(call())
+        except TimeoutError:
+            raise KubeError(0, "Timeout", f"{verb} {kind} {name}: no answer within {self.timeout_s} s") from None
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -355,15 +395,18 @@ class KubeClient:
         self.resource(kind)  # only the known kinds
         metadata = {**(body.get("metadata") or {}), "namespace": namespace}
         obj = codecs.from_dict({**body, "metadata": metadata})  # the class registered for apiVersion and kind
-        return _plain(await self._call(self._client.create(obj)))
+        return _plain(await self._write("create", kind, str(metadata.get("name")), lambda: self._client.create(obj)))
 
     async def merge_patch(
         self, kind: str, namespace: str, name: str, body: Mapping[str, Any], subresource: str | None = None
     ) -> dict[str, Any]:
         """RFC 7386 merge patch: maps merge, lists and scalars are replaced by ``body``'s."""
         res = self.resource(kind, subresource)
-        call = self._client.patch(res, name, dict(body), namespace=namespace, patch_type=PatchType.MERGE)
-        return _plain(await self._call(call))
+
+        def call() -> Any:
+            return self._client.patch(res, name, dict(body), namespace=namespace, patch_type=PatchType.MERGE)
+
+        return _plain(await self._write("patch", kind if subresource is None else f"{kind}/{subresource}", name, call))
 
     async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> None:
         """Delete the object; with ``uid``, only that very object (HTTP 409 if the name now holds another).
@@ -373,7 +416,7 @@ class KubeClient:
         """
         res = self.resource(kind)
         if uid is None:
-            await self._call(self._client.delete(res, name, namespace=namespace))
+            await self._write("delete", kind, name, lambda: self._client.delete(res, name, namespace=namespace))
             return
         generic: Any = self._client._client
         request = generic.prepare_request("delete", res=res, name=name, namespace=namespace)
@@ -383,7 +426,7 @@ class KubeClient:
             response = await generic.send(generic.build_adapter_request(request))
             generic.handle_response("delete", response, request)
 
-        await self._call(send())
+        await self._write("delete", kind, name, send)
 
     @staticmethod
     async def _call(call: Any) -> Any:

@@ -20,6 +20,23 @@ The rules are client-go's (``k8s.io/client-go/tools/leaderelection``):
 - a replica that stops cleanly empties ``holderIdentity`` so the next one takes
   over within ``retry_period_s`` instead of ``lease_duration_s``.
 
+Beyond client-go:
+
+- writes are fenced (``fence``, installed on the writers' client with
+  ``KubeClient.fenced``): a write goes out only while this replica's Lease stays
+  valid for longer than the write's timeout, measured on the monotonic clock from
+  the start of its last successful renewal, so a write delayed by a slow
+  Prometheus query or API call is dropped (``NotLeading``) rather than sent by a
+  replica that may no longer lead;
+- the margin between the renew deadline and the lease duration is longer than
+  any API call (``call_timeout_s``, derived from it unless set), so the leader
+  stops acting before its Lease can expire even when its last call hangs;
+- a Lease that is deleted under the leader (404 on renewal, or gone at the next
+  read) ends its leadership at once; it is a candidate again from the next round.
+  A replica that saw another holder's record before the deletion keeps off for a
+  lease duration from when it last saw it change, as if the record were still
+  there, so the old leader has stopped before the new one starts.
+
 Take-over after the leader dies without releasing: at most
 ``lease_duration_s + retry_period_s`` after its last renewal (17 s with the
 defaults 15 s and 2 s).
@@ -38,7 +55,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from coserve.operator.kube import KubeClient, KubeError
+from coserve.operator.kube import KubeClient, KubeError, NotLeading
 
 __all__ = ["LeaderElector", "LeaseSettings", "next_record"]
 
@@ -55,6 +72,9 @@ class LeaseSettings:
     lease_duration_s: float = 15.0
     renew_deadline_s: float = 10.0
     retry_period_s: float = 2.0
+    # The timeout of every API call the operator makes while leading (``None``: 4/5 of the margin
+    # ``lease_duration_s - renew_deadline_s``, 4 s with the defaults); it must stay below that margin.
+    call_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.retry_period_s < self.renew_deadline_s < self.lease_duration_s:
@@ -62,8 +82,22 @@ class LeaseSettings:
                 "lease timing must satisfy 0 < retry period < renew deadline < lease duration, got "
                 f"{self.retry_period_s}, {self.renew_deadline_s}, {self.lease_duration_s}"
             )
+        margin = self.lease_duration_s - self.renew_deadline_s
+        if self.call_timeout_s is not None and not 0 < self.call_timeout_s < margin:
+            raise ValueError(
+                f"call_timeout_s must be positive and shorter than lease_duration_s - renew_deadline_s "
+                f"({self.lease_duration_s} - {self.renew_deadline_s} = {margin} s), got {self.call_timeout_s}: "
+                "a call that outlasts the margin could still be in flight when another replica takes over"
+            )
         if not self.identity:
             raise ValueError("identity must not be empty")
+
+    @property
+    def call_timeout(self) -> float:
+        """The timeout for the operator's API calls: ``call_timeout_s``, or 4/5 of the renew margin."""
+        if self.call_timeout_s is not None:
+            return self.call_timeout_s
+        return (self.lease_duration_s - self.renew_deadline_s) * 0.8
 
 
 def micro_time(moment: datetime) -> str:
@@ -125,6 +159,32 @@ class LeaderElector:
             return False
         return self.monotonic() - self._renewed_at < self.settings.renew_deadline_s
 
+    def fence(self, verb: str, kind: str, name: str, timeout_s: float) -> None:
+        """Let a write go out only if the Lease is valid for longer than its timeout (``KubeClient.fenced``).
+
+        Valid until ``lease_duration_s`` after the start of the last successful renewal, on this
+        replica's monotonic clock (the other replicas count from when they saw that renewal, later).
+        Raises ``NotLeading`` otherwise: the write is not sent.
+        """
+        if self._renewed_at is not None:
+            # the duration written to the Lease is whole seconds: the others wait the shorter of the two
+            duration = min(self.settings.lease_duration_s, float(max(1, round(self.settings.lease_duration_s))))
+            left = self._renewed_at + duration - self.monotonic()
+            if timeout_s < left:
+                return
+            reason = f"the lease is valid for {max(left, 0.0):.3f} s, the call may take {timeout_s} s"
+        else:
+            reason = "this replica does not hold the lease"
+        logger.info("lease %s: %s %s %s not sent: %s", self.settings.name, verb, kind, name, reason)
+        raise NotLeading(f"{verb} {kind} {name} not sent: {reason}")
+
+    def _lost(self, why: str) -> None:
+        """Stop leading at once (the Lease is gone): no more writes, a candidate again from the next round."""
+        if self._renewed_at is not None or self.leading.is_set():
+            logger.warning("lease %s: %s stops leading: %s", self.settings.name, self.settings.identity, why)
+        self._renewed_at = None
+        self.leading.clear()
+
     async def run(self) -> None:
         """Try to acquire, then renew, every retry period, until cancelled."""
         while True:
@@ -151,6 +211,14 @@ class LeaderElector:
         lease = await self.kube.get("Lease", namespace, name)
         now = self.monotonic()
         if lease is None:
+            if self._renewed_at is not None:
+                self._lost("the Lease was deleted")
+                return False  # a candidate again from the next round
+            seen = self._observed or {}
+            holder = seen.get("holderIdentity")
+            duration = float(seen.get("leaseDurationSeconds") or self.settings.lease_duration_s)
+            if holder and holder != self.settings.identity and now - self._observed_at < duration:
+                return False  # deleted under a live holder: it may still act until its record would expire
             spec = next_record(None, self.settings.identity, False, self.clock(), self.settings.lease_duration_s)
             if spec is None:  # cannot happen: nobody holds a Lease that does not exist
                 return False
@@ -179,7 +247,10 @@ class LeaderElector:
         try:
             await self.kube.merge_patch("Lease", namespace, name, patch)
         except KubeError as error:
-            if error.status in (404, 409):
+            if error.status == 404:  # deleted since the read: whoever held it, nobody does now
+                self._lost("the Lease was deleted (404 on renewal)")
+                return False
+            if error.status == 409:
                 return False
             raise
         return self._won(wanted, now)
