@@ -94,6 +94,7 @@ from coserve.router.policy import (
 )
 from coserve.router.policy import resolve_class as class_for
 from coserve.scheduling.requests import InvalidRequestClass
+from coserve.token_file import TokenFile
 
 __all__ = ["Router", "RouterApp", "build_app", "error_response"]
 
@@ -109,14 +110,12 @@ ROUTER_TOKEN_HEADER = "x-coserve-router-token"  # noqa: S105 - a header's name, 
 
 
 def router_token_headers(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The header that proves a request came through the pool's router; none when no token is mounted."""
+    """The header that proves a request came through the pool's router, as the token file holds it now; none
+    when no token is mounted. ``ValueError`` names the variable when the file is unreadable or empty."""
     path = (os.environ if environ is None else environ).get(ROUTER_TOKEN_FILE_ENV)
     if not path:
         return {}
-    token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"{ROUTER_TOKEN_FILE_ENV}: {path} is empty")
-    return {ROUTER_TOKEN_HEADER: token}
+    return {ROUTER_TOKEN_HEADER: TokenFile(path, variable=ROUTER_TOKEN_FILE_ENV).current().decode()}
 
 
 CONVERSATION_HEADER = "x-coserve-conversation"  # tells the decoder which conversation a turn belongs to
@@ -229,7 +228,10 @@ class Router:
         self.pins = PinTable(config.pin_ttl_s, config.max_pins)
         self._failures_allowed = config.decoder_failures
         self.metrics = _Metrics()
-        self._upstream_headers = router_token_headers()  # read at start-up: a missing token file fails fast
+        # read at start-up (a missing or empty token file fails fast), then followed: see _follow_token
+        path = os.environ.get(ROUTER_TOKEN_FILE_ENV)
+        self._token = TokenFile(path, variable=ROUTER_TOKEN_FILE_ENV) if path else None
+        self._upstream_headers = {ROUTER_TOKEN_HEADER: self._token.current().decode()} if self._token else {}
         # NOTE: aiohttp, not httpx: httpx's pool scans every connection on every request, which capped
         # the router at ~400 requests/s with 64 concurrent clients (profiled); aiohttp's does not.
         self._session: aiohttp.ClientSession | None = None
@@ -280,8 +282,20 @@ class Router:
             except Exception:  # the poller must outlive any one bad poll
                 logger.exception("engine poll failed")
 
+    def _follow_token(self) -> None:
+        """Send the token the mounted Secret holds now (the kubelet updates the file in place when the operator
+        regenerates it); engines keep accepting the previous one for a grace period, so nothing in flight fails."""
+        if self._token is None:
+            return
+        token = self._token.current().decode()
+        if token != self._upstream_headers.get(ROUTER_TOKEN_HEADER):
+            self._upstream_headers = {ROUTER_TOKEN_HEADER: token}
+            if self._session is not None:
+                self._session.headers[ROUTER_TOKEN_HEADER] = token  # the session's default headers, live
+
     async def refresh(self) -> None:
-        """Resolve Services (if configured), then read every engine's load."""
+        """Follow the router token, resolve Services (if configured), then read every engine's load."""
+        self._follow_token()
         for service, engines in (
             (self.config.prefiller_service, self.prefillers),
             (self.config.decoder_service, self.decoders),
