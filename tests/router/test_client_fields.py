@@ -219,3 +219,19 @@ def test_a_non_ascii_conversation_is_found_by_another_router_replica() -> None:
         b.stop()
         for decoder in decoders:
             decoder.stop()
+
+
+def test_numbers_json_reads_but_orjson_does_not_reach_the_decoder_as_they_came(pool: dict[str, Any]) -> None:
+    """The router reads and writes bodies with orjson where that is json's result (coserve.router.fastjson):
+    a client's NaN, Infinity and integers beyond 64 bits still go on as json sent them."""
+    raw = (
+        b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "temperature": NaN, "top_p": 1e400, '
+        b'"seed": 123456789012345678901234567890}'
+    ) % MODEL.encode()
+    answer = httpx.post(f"{pool['router']}/v1/completions", content=raw, timeout=10,
+                        headers={"content-type": "application/json", "x-conversation-id": "numbers"})  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    sent = pool["decoder"].requests[-1]
+    assert sent["temperature"] != sent["temperature"]  # NaN
+    assert sent["top_p"] == float("inf")
+    assert sent["seed"] == 123456789012345678901234567890

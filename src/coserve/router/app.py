@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -77,6 +78,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from coserve.router import fastjson
 from coserve.router.batch_lock import batch_locks
 from coserve.router.batches import ENDPOINTS, BatchRunner, BatchStore, public
 from coserve.router.config import RouterConfig
@@ -118,6 +120,7 @@ def router_token_headers(environ: Mapping[str, str] | None = None) -> dict[str, 
     return {ROUTER_TOKEN_HEADER: TokenFile(path, variable=ROUTER_TOKEN_FILE_ENV).current().decode()}
 
 
+_JSON = {"content-type": "application/json"}  # what aiohttp's json= sent: the bodies are fastjson's bytes
 CONVERSATION_HEADER = "x-coserve-conversation"  # tells the decoder which conversation a turn belongs to
 LOOKUP_PATH = "/coserve/v1/conversations:lookup"  # the decoders' answer to "do you hold these?"
 
@@ -215,6 +218,13 @@ class _Metrics:
             "Conversations this replica held no pin for, found on the decoder that holds them.",
             registry=r,
         )
+        # The labelled series the request path updates, looked up once per label values (``labels`` validates,
+        # locks and builds a key on every call; the child it returns is the same object each time).
+        self.requests_of = functools.cache(self.requests.labels)
+        self.ttft_of = functools.cache(self.ttft.labels)
+        self.slo_of = functools.cache(self.slo.labels)
+        self.prompt_tokens_of = functools.cache(self.prompt_tokens.labels)
+        self.output_tokens_of = functools.cache(self.output_tokens.labels)
 
 
 class Router:
@@ -368,7 +378,7 @@ class Router:
             ) as response:
                 if response.status != 200:
                     return {}
-                found = (await response.json(content_type=None)).get("found")
+                found = (await response.json(content_type=None, loads=fastjson.loads)).get("found")
         except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
             return {}
         return found if isinstance(found, dict) else {}
@@ -416,7 +426,7 @@ class Router:
     async def handle(self, request: _Body, endpoint: str) -> Response:
         arrived = self.clock()
         response = await self._handle(request, endpoint, arrived)
-        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        self.metrics.requests_of(endpoint, str(response.status_code)).inc()
         return response
 
     async def _handle(self, request: _Body, endpoint: str, arrived: float) -> Response:
@@ -460,7 +470,10 @@ class Router:
                 return error_response(400, f"must be a positive number of milliseconds, got {asked_ms!r}",
                                       f"vllm_xargs.{key}")  # fmt: skip
             # a client may relax its class's SLO, never tighten it: a tighter deadline is a higher priority
-            slos[key] = max(float(asked_ms), floor_ms) if asked_ms is not None else floor_ms
+            if asked_ms is None:
+                slos[key] = floor_ms
+            else:  # a float as it was read (a client's NaN or Infinity is forwarded as it came: fastjson)
+                slos[key] = max(asked_ms if isinstance(asked_ms, float) else float(asked_ms), floor_ms)
         body["vllm_xargs"] = {**_client_xargs(xargs), "coserve_class": cls.name, **slos}
         return await self._route(endpoint, body, conversation, cls.name, cls.ttft_slo_s, arrived, named)
 
@@ -505,7 +518,7 @@ class Router:
             if len(raw) > limit:
                 return None, error_response(413, f"request body over {limit} bytes", kind="invalid_request_error")
         try:
-            body = json.loads(raw)
+            body = fastjson.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             return None, error_response(400, f"the body is not valid JSON: {error}")
         if not isinstance(body, dict):
@@ -636,9 +649,11 @@ class Router:
         prefiller.admitted_tokens += tokens
         answer: Any = None
         try:
-            async with self.session.post(f"{prefiller.url}{path}", json=prefill) as response:
+            async with self.session.post(
+                f"{prefiller.url}{path}", data=fastjson.dumps(prefill), headers=_JSON
+            ) as response:
                 response.raise_for_status()
-                answer = await response.json(content_type=None)
+                answer = await response.json(content_type=None, loads=fastjson.loads)
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             logger.warning("prefill on %s failed (%s): the decoder computes the prompt", prefiller.url, error)
             self.metrics.prefill_failures.inc()
@@ -659,7 +674,7 @@ class Router:
         self, decoder: EngineLoad, path: str, body: dict[str, Any], cls: str, slo_s: float, arrived: float,
         first_arrival: float, conversation: str | None = None,
     ) -> Response:  # fmt: skip
-        headers = {CONVERSATION_HEADER: conversation} if conversation else None
+        headers = {**_JSON, CONVERSATION_HEADER: conversation} if conversation else _JSON
         streaming = bool(body.get("stream"))
         wants_usage = False
         if streaming:  # token counts from vLLM's usage; the usage chunk reaches the client only if it asked
@@ -669,7 +684,7 @@ class Router:
                 body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}),
                                                    "include_usage": True}}  # fmt: skip
         try:
-            response = await self.session.post(f"{decoder.url}{path}", json=body, headers=headers)
+            response = await self.session.post(f"{decoder.url}{path}", data=fastjson.dumps(body), headers=headers)
         except (TimeoutError, aiohttp.ClientConnectionError) as error:
             raise _Unavailable(str(error) or type(error).__name__) from error
         if response.status in _RETRYABLE:
@@ -733,29 +748,29 @@ class Router:
         if '"usage"' not in data or not data.startswith("{"):
             return False
         try:
-            parsed = json.loads(data)
+            parsed = fastjson.loads(data)
         except ValueError:
             return False
         usage = parsed.get("usage") if isinstance(parsed, dict) else None
         if not isinstance(usage, dict) or parsed.get("choices"):
             return False
-        self.metrics.prompt_tokens.labels(cls).inc(usage.get("prompt_tokens") or 0)
-        self.metrics.output_tokens.labels(cls).inc(usage.get("completion_tokens") or 0)
+        self.metrics.prompt_tokens_of(cls).inc(usage.get("prompt_tokens") or 0)
+        self.metrics.output_tokens_of(cls).inc(usage.get("completion_tokens") or 0)
         return True
 
     def _observe(self, cls: str, slo_s: float, arrived: float, first_arrival: float) -> None:
         now = self.clock()
-        self.metrics.ttft.labels(cls).observe(now - arrived)
-        self.metrics.slo.labels(cls, str(now - arrived <= slo_s).lower()).inc()
+        self.metrics.ttft_of(cls).observe(now - arrived)
+        self.metrics.slo_of(cls, "true" if now - arrived <= slo_s else "false").inc()
         self.metrics.ttfet.observe(now - first_arrival)
 
     def _count_usage(self, content: bytes, cls: str) -> None:
         try:
-            usage = json.loads(content).get("usage") or {}
+            usage = fastjson.loads(content).get("usage") or {}
         except (ValueError, AttributeError):
             return
-        self.metrics.prompt_tokens.labels(cls).inc(usage.get("prompt_tokens") or 0)
-        self.metrics.output_tokens.labels(cls).inc(usage.get("completion_tokens") or 0)
+        self.metrics.prompt_tokens_of(cls).inc(usage.get("prompt_tokens") or 0)
+        self.metrics.output_tokens_of(cls).inc(usage.get("completion_tokens") or 0)
 
 
 class _Body(Protocol):

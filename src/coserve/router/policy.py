@@ -123,6 +123,25 @@ def explicit_conversation_id(headers: Mapping[str, str], body: Mapping[str, obje
     return canonical_conversation_id(value.encode("utf-8", "surrogatepass"))
 
 
+# What a conversation's hash reads: json.dumps(basis, sort_keys=True, separators=(",", ":"), default=str).
+# That call builds an encoder and its C encoder on every request; the C encoder, built once, writes the
+# same text (``JSONEncoder.encode`` joins its chunks the same way), without the circular-reference check a
+# value parsed from JSON never needs.
+_ID_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+_MAKE_C_ENCODER = getattr(json.encoder, "c_make_encoder", None)  # None where CPython's _json is missing
+_ID_C_ENCODER = (
+    _MAKE_C_ENCODER(None, str, json.encoder.encode_basestring_ascii, None, ":", ",", True, False, True)
+    if _MAKE_C_ENCODER is not None
+    else None
+)
+
+
+def _id_text(basis: object) -> str:
+    if _ID_C_ENCODER is None:
+        return _ID_ENCODER.encode(basis)
+    return "".join(_ID_C_ENCODER(basis, 0))
+
+
 def conversation_id(headers: Mapping[str, str], body: Mapping[str, object]) -> str:
     """The conversation's identity (see the module rules); ``headers`` keys are lower-case; raises
     ``InvalidConversationId`` (see ``explicit_conversation_id``)."""
@@ -146,7 +165,7 @@ def conversation_id(headers: Mapping[str, str], body: Mapping[str, object]) -> s
             basis = ["tokens", model, prompt[:PROMPT_PREFIX_TOKENS]]
         else:
             basis = ["other", model, prompt]
-    encoded = json.dumps(basis, sort_keys=True, separators=(",", ":"), default=str).encode()
+    encoded = _id_text(basis).encode()
     return "h-" + hashlib.blake2b(encoded, digest_size=12).hexdigest()
 
 
