@@ -24,16 +24,33 @@ and on 2 cores three busy processes otherwise measure the machine's scheduler
 - Throughput: closed loop, ``--concurrency`` clients, non-streaming, through the
   router and directly; requests/s.
 
-Target: at most 1 ms added at p99 at 500 requests/s; at least 2,000 requests/s
-non-streaming. Writes benchmarks/results/router_overhead.json.
+- CPU per request: the routers' processes' CPU time (user + system, every
+  thread, from /proc) over the latency window, divided by the requests served.
 
-    .venv/bin/python benchmarks/router_overhead.py      # ~1 minute
+The peer: vLLM's own router (``vllm-router``, Rust, the bench extra pins it),
+one process on the same core in front of the same upstream, in the same run,
+the same requests (each carries ``x-session-id``, the header its
+``consistent_hash`` reads first; coserve ignores it and names conversations
+itself). What an operator would tune is swept: its policy (round_robin,
+consistent_hash, cache_aware) x its tokio worker threads (1 and 2:
+``TOKIO_WORKER_THREADS``; its default is one per core it may use, here 1), with
+``--log-level error`` (warning logs three lines per request) and a health check
+interval longer than the run; each figure is compared with its best
+configuration for that figure.
+
+Targets: at most 1 ms added at p99 at 500 requests/s; at least 2,000 requests/s
+non-streaming; coserve's added p99 at most 2x vllm-router's; coserve's CPU per
+request at most 1.5x vllm-router's. Writes benchmarks/results/router_overhead.json.
+
+    .venv/bin/python benchmarks/router_overhead.py      # ~4 minutes
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.metadata
 import json
 import os
 import random
@@ -42,6 +59,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +79,18 @@ ANSWER = json.dumps(
 ).encode()
 METRICS = b'vllm:kv_cache_usage_perc{engine="0"} 0.1\nvllm:num_requests_waiting{engine="0"} 0\n'
 TURNS = 4
+SESSION_HEADER = "x-session-id"  # the first header vllm-router's consistent_hash reads; coserve ignores it
+PEER_POLICIES = ("round_robin", "consistent_hash", "cache_aware")
+PEER_THREADS = (1, 2)  # TOKIO_WORKER_THREADS; vllm-router's default is one per core it may use
+PEER_P99_RATIO = 2.0  # coserve's added p99 at most this times vllm-router's
+PEER_CPU_RATIO = 1.5  # coserve's CPU per request at most this times vllm-router's
+NOTES: list[str] = []  # why a target is missed, and what would close it (set after a run)
 CONVERSATIONS = ConversationLog()  # the fake decoder's record of the conversations it served
 
 
 async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """A minimal engine: the fixed answer to any POST, a KV usage on /metrics, and the decoder's answer to
-    the routers' conversation lookups (the same ConversationLog the engine plugin keeps)."""
+    """A minimal engine: the fixed answer to any POST, a KV usage on /metrics, 200 on /health, and the
+    decoder's answer to the routers' conversation lookups (the same ConversationLog the engine plugin keeps)."""
     if scope["type"] != "http":
         return
     raw = b""
@@ -76,6 +101,8 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             break
     if scope["path"] == "/metrics":
         body = METRICS
+    elif scope["path"] == "/health":  # vLLM's liveness route: vllm-router's worker health checks
+        body = b""
     elif scope["path"] == "/coserve/v1/conversations:lookup":
         body = json.dumps({"found": CONVERSATIONS.lookup(json.loads(raw)["ids"], time.monotonic())}).encode()
     else:
@@ -117,8 +144,9 @@ def turn(index: int) -> dict[str, Any]:
 
 async def one(session: aiohttp.ClientSession, bases: list[str], index: int) -> float:
     base = bases[index % len(bases)]  # the next replica in turn: a conversation's turns alternate replicas
+    headers = {SESSION_HEADER: f"conversation-{index // TURNS}"}
     started = time.perf_counter()
-    async with session.post(f"{base}/v1/chat/completions", json=turn(index)) as response:
+    async with session.post(f"{base}/v1/chat/completions", json=turn(index), headers=headers) as response:
         await response.read()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}")
@@ -126,12 +154,21 @@ async def one(session: aiohttp.ClientSession, bases: list[str], index: int) -> f
 
 
 async def open_loop(base: list[str], rate: float, seconds: float, seed: int, first: int = 0) -> list[float]:
+    return (await timed_open_loop(base, rate, seconds, seed, first))[0]
+
+
+async def timed_open_loop(
+    base: list[str], rate: float, seconds: float, seed: int, first: int = 0, pids: tuple[int, ...] = ()
+) -> tuple[list[float], float]:
+    """The latencies of a Poisson stream at ``rate`` for ``seconds``, and the CPU seconds the processes
+    ``pids`` spent from its first request until its last answer (after the warm-up)."""
     rng = random.Random(seed)
     latencies: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for index in range(10**7 + first, 10**7 + first + 50):  # warm up connections (conversations of their own)
             await one(session, base, index)
         tasks = []
+        cpu_before = sum(cpu_seconds(pid) for pid in pids)
         start = time.perf_counter()
         at = 0.0
         index = first
@@ -143,7 +180,8 @@ async def open_loop(base: list[str], rate: float, seconds: float, seed: int, fir
             index += 1
             at += rng.expovariate(rate)
         latencies = list(await asyncio.gather(*tasks))
-    return latencies
+        cpu = sum(cpu_seconds(pid) for pid in pids) - cpu_before
+    return latencies, cpu
 
 
 async def closed_loop(base: list[str], concurrency: int, seconds: float) -> float:
@@ -164,18 +202,67 @@ async def closed_loop(base: list[str], concurrency: int, seconds: float) -> floa
         return done / (time.perf_counter() - started)
 
 
-async def measure(args: argparse.Namespace, upstream: str, routers: list[str]) -> dict[str, Any]:
+async def measure_arm(args: argparse.Namespace, ready: list[str], bases: list[str], pids: tuple[int, ...]) -> Arm:
+    """One arm (``bases``: the processes ``pids`` serve them; none: direct): latency and CPU at ``--rate``,
+    then the closed loop's requests/s."""
     async with aiohttp.ClientSession() as session:
-        await wait_ready(session, f"{upstream}/metrics")
-        for router in routers:
-            await wait_ready(session, f"{router}/ready")
-    say(f"latency: {args.rate:.0f} requests/s for {args.seconds:.0f} s, direct then through the router")
-    direct = await open_loop([upstream], args.rate, args.seconds, 1)
-    routed = await open_loop(routers, args.rate, args.seconds, 1)
-    say(f"throughput: {args.concurrency} clients for {args.seconds:.0f} s, direct then through the router")
-    direct_rps = await closed_loop([upstream], args.concurrency, args.seconds)
-    routed_rps = await closed_loop(routers, args.concurrency, args.seconds)
-    return {"direct": direct, "routed": routed, "direct_rps": direct_rps, "routed_rps": routed_rps}
+        for url in ready:
+            await wait_ready(session, url)
+    latencies, cpu = await timed_open_loop(bases, args.rate, args.seconds, 1, pids=pids)
+    rps = await closed_loop(bases, args.concurrency, args.seconds)
+    return Arm(latencies, cpu, rps)
+
+
+@dataclass
+class Arm:
+    latencies: list[float]
+    cpu_s: float  # the arm's router processes' CPU seconds over the latency window
+    requests_per_s: float
+
+    def figures(self, direct: Arm) -> dict[str, float]:
+        p50, p99 = percentile(self.latencies, 50), percentile(self.latencies, 99)
+        return {
+            "p50_s": p50,
+            "p99_s": p99,
+            "added_p50_s": p50 - percentile(direct.latencies, 50),
+            "added_p99_s": p99 - percentile(direct.latencies, 99),
+            "requests_per_s": self.requests_per_s,
+            "cpu_s_per_request": self.cpu_s / len(self.latencies),
+            "samples": len(self.latencies),
+        }
+
+
+def best_of(rows: list[dict[str, Any]], key: str, highest: bool = False) -> dict[str, Any]:
+    """The swept configuration best at ``key`` (lowest, or ``highest``); the first such on a tie."""
+    pick = max if highest else min
+    return pick(rows, key=lambda row: row[key])
+
+
+def ratio(ours: float, theirs: float) -> float | None:
+    """ours / theirs, or None when theirs is not positive (an added latency within the noise of direct)."""
+    return ours / theirs if theirs > 0 else None
+
+
+def peer_comparison(ours: dict[str, float], sweep: list[dict[str, Any]]) -> dict[str, Any]:
+    """coserve against vllm-router's best configuration for each figure: the ratios and the two targets."""
+    best = {
+        "added_p99_s": best_of(sweep, "added_p99_s"),
+        "cpu_s_per_request": best_of(sweep, "cpu_s_per_request"),
+        "requests_per_s": best_of(sweep, "requests_per_s", highest=True),
+    }
+    p99 = ratio(ours["added_p99_s"], best["added_p99_s"]["added_p99_s"])
+    cpu = ratio(ours["cpu_s_per_request"], best["cpu_s_per_request"]["cpu_s_per_request"])
+    return {
+        "added_p99_ratio": p99,
+        "cpu_per_request_ratio": cpu,
+        "requests_per_s_ratio": ratio(ours["requests_per_s"], best["requests_per_s"]["requests_per_s"]),
+        "added_p99_met": p99 is not None and p99 <= PEER_P99_RATIO,
+        "cpu_met": cpu is not None and cpu <= PEER_CPU_RATIO,
+        "best": {
+            key: {"policy": row["policy"], "worker_threads": row["worker_threads"], key: row[key]}
+            for key, row in best.items()
+        },
+    }
 
 
 async def preload(base: list[str], first: int, count: int, concurrency: int = 64) -> None:
@@ -257,6 +344,41 @@ def write_pins(measured: dict[str, Any], args: argparse.Namespace) -> None:
     say(f"wrote {path}")
 
 
+@contextlib.contextmanager
+def launched(
+    command: list[str], cores: set[int], env: dict[str, str] | None = None, quiet: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` running on ``cores`` while the block runs (``quiet``: its stdout dropped)."""
+    process = subprocess.Popen(  # noqa: S603 - this script, our own CLI, the pinned vllm-router
+        command,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL if quiet else None,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def coserve_command(config: Path, port: int) -> list[str]:
+    coserve = str(Path(sys.executable).with_name("coserve"))
+    return [coserve, "router", "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning"]  # fmt: skip
+
+
+def peer_command(upstream: str, port: int, policy: str) -> list[str]:
+    """vllm-router in front of ``upstream``: no per-request logs (its warning level logs three lines per
+    request), and no health check during the run (the first is an hour away)."""
+    return [
+        str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", upstream, "--policy", policy, "--log-level", "error",
+        "--health-check-interval-secs", "3600", "--worker-startup-check-interval", "1",
+        "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=500.0)
@@ -272,6 +394,9 @@ def main() -> int:
         action="store_true",
         help="let the three processes share every core (default: the router on its own core)",
     )
+    parser.add_argument("--peer-policies", nargs="*", default=list(PEER_POLICIES), help="vllm-router policies swept")
+    parser.add_argument("--peer-threads", type=int, nargs="*", default=list(PEER_THREADS),
+                        help="vllm-router tokio worker thread counts swept")  # fmt: skip
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pins:
@@ -292,80 +417,100 @@ def main() -> int:
     routers = [f"http://127.0.0.1:{port}" for port in router_ports]
     config = workdir / "router.json"
     config.write_text(json.dumps({"model": "tiny", "decoders": [upstream], "pollS": 1.0, "maxPins": 200_000}))
-    processes = [
-        subprocess.Popen(  # noqa: S603 - this script
-            [sys.executable, __file__, "--serve-upstream", str(up_port)],
-            preexec_fn=lambda: os.sched_setaffinity(0, client_cores),
-        ),
-    ]
-    for port in router_ports:
-        processes.append(
-            subprocess.Popen(  # noqa: S603 - our own CLI
-                [
-                    str(Path(sys.executable).with_name("coserve")),
-                    "router",
-                    "--config",
-                    str(config),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "warning",
-                ],
-                env={**os.environ},
-                preexec_fn=lambda: os.sched_setaffinity(0, router_cores),
-            )
-        )
     os.sched_setaffinity(0, client_cores)
-    try:
-        if args.pins:
-            write_pins(asyncio.run(measure_pins(args, upstream, routers[0], processes[1].pid)), args)
-            return 0
-        measured = asyncio.run(measure(args, upstream, routers))
-    finally:
-        for process in processes:
-            process.terminate()
-            process.wait(timeout=30)
-    d50, d99 = percentile(measured["direct"], 50), percentile(measured["direct"], 99)
-    r50, r99 = percentile(measured["routed"], 50), percentile(measured["routed"], 99)
-    added50, added99 = r50 - d50, r99 - d99
-    latency_met = added99 <= 0.001
-    throughput_met = measured["routed_rps"] >= 2000
-    print(f"\n{'':28}{'direct':>10}{'router':>10}{'added':>10}")
-    print(f"{'p50 latency (ms)':28}{d50 * 1000:10.2f}{r50 * 1000:10.2f}{added50 * 1000:10.2f}")
-    print(f"{'p99 latency (ms)':28}{d99 * 1000:10.2f}{r99 * 1000:10.2f}{added99 * 1000:10.2f}")
-    print(f"{'requests/s (closed loop)':28}{measured['direct_rps']:10.0f}{measured['routed_rps']:10.0f}")
+    sweep: list[dict[str, Any]] = []
+    with launched([sys.executable, __file__, "--serve-upstream", str(up_port)], client_cores):
+        with contextlib.ExitStack() as stack:
+            processes = [stack.enter_context(launched(coserve_command(config, p), router_cores)) for p in router_ports]
+            if args.pins:
+                write_pins(asyncio.run(measure_pins(args, upstream, routers[0], processes[0].pid)), args)
+                return 0
+            say(f"direct, then coserve ({args.replicas} replicas): {args.rate:.0f} requests/s for "
+                f"{args.seconds:.0f} s, then {args.concurrency} clients for {args.seconds:.0f} s")  # fmt: skip
+            direct = asyncio.run(measure_arm(args, [f"{upstream}/metrics"], [upstream], ()))
+            ready = [f"{router}/ready" for router in routers]
+            ours = asyncio.run(measure_arm(args, ready, routers, tuple(p.pid for p in processes))).figures(direct)
+        for policy in args.peer_policies:
+            for threads in args.peer_threads:
+                say(f"vllm-router, {policy}, {threads} worker thread(s)")
+                port = free_port()
+                peer = f"http://127.0.0.1:{port}"
+                command, env = peer_command(upstream, port, policy), {"TOKIO_WORKER_THREADS": str(threads)}
+                with launched(command, router_cores, env, quiet=True) as process:  # its start-up chatter
+                    arm = asyncio.run(measure_arm(args, [f"{peer}/readiness"], [peer], (process.pid,)))
+                sweep.append({"policy": policy, "worker_threads": threads, **arm.figures(direct)})
+    report(args, direct, ours, sweep, cores, router_cores, client_cores, pinned)
+    return 0
+
+
+def report(
+    args: argparse.Namespace, direct: Arm, ours: dict[str, float], sweep: list[dict[str, Any]], cores: list[int],
+    router_cores: set[int], client_cores: set[int], pinned: bool,
+) -> None:  # fmt: skip
+    d50, d99 = percentile(direct.latencies, 50), percentile(direct.latencies, 99)
+    latency_met = ours["added_p99_s"] <= 0.001
+    throughput_met = ours["requests_per_s"] >= 2000
+    peer = peer_comparison(ours, sweep) if sweep else None
+    print(f"\n{'':34}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>8}{'CPU ms/req':>12}")
+    print(f"{'direct':34}{d50 * 1000:9.3f}{d99 * 1000:9.3f}{'':18}{direct.requests_per_s:8.0f}")
+    for label, row in [(f"coserve ({args.replicas} replicas)", ours)] + [
+        (f"vllm-router {r['policy']}, {r['worker_threads']} thr", r) for r in sweep
+    ]:
+        print(f"{label:34}" + "".join(f"{row[k] * 1000:9.3f}" for k in ("p50_s", "p99_s", "added_p50_s", "added_p99_s"))
+              + f"{row['requests_per_s']:8.0f}{row['cpu_s_per_request'] * 1000:12.3f}")  # fmt: skip
     print(f"target: <= 1 ms added at p99 {'met' if latency_met else 'NOT met'}; "
           f">= 2000 requests/s {'met' if throughput_met else 'NOT met'}")  # fmt: skip
+    if peer is not None:
+        p99, cpu, rps = (_show(peer[k]) for k in ("added_p99_ratio", "cpu_per_request_ratio", "requests_per_s_ratio"))
+        print(f"vs vllm-router's best: added p99 {p99}x (target <= {PEER_P99_RATIO}x: "
+              f"{'met' if peer['added_p99_met'] else 'NOT met'}); CPU per request {cpu}x (target <= "
+              f"{PEER_CPU_RATIO}x: {'met' if peer['cpu_met'] else 'NOT met'}); requests/s {rps}x")  # fmt: skip
+    met = latency_met and throughput_met and (peer is None or (peer["added_p99_met"] and peer["cpu_met"]))
     write_result(
         "router_overhead",
         {
             "benchmark": "router_overhead",
-            "target": "<= 1 ms added latency at p99 at 500 requests/s; >= 2,000 requests/s non-streaming",
-            "met": bool(latency_met and throughput_met),
+            "target": (
+                "<= 1 ms added latency at p99 at 500 requests/s; >= 2,000 requests/s non-streaming; against "
+                f"vllm-router's best configuration: added p99 <= {PEER_P99_RATIO}x, CPU per request <= "
+                f"{PEER_CPU_RATIO}x"
+            ),
+            "met": bool(met),
             "latency_met": bool(latency_met),
             "throughput_met": bool(throughput_met),
-            "added_p50_s": added50,
-            "added_p99_s": added99,
-            "router": {"p50_s": r50, "p99_s": r99, "requests_per_s": measured["routed_rps"]},
+            "vs_vllm_router_p99_met": None if peer is None else peer["added_p99_met"],
+            "vs_vllm_router_cpu_met": None if peer is None else peer["cpu_met"],
+            "added_p50_s": ours["added_p50_s"],
+            "added_p99_s": ours["added_p99_s"],
+            "router": ours,
+            "vs_vllm_router": peer,
             "baseline": {
                 "name": "direct to the upstream",
                 "p50_s": d50,
                 "p99_s": d99,
-                "requests_per_s": measured["direct_rps"],
+                "requests_per_s": direct.requests_per_s,
             },
+            "vllm_router": {
+                "name": "vllm-router (vLLM's router, Rust): one process on the router core, policy x tokio "
+                "worker threads swept",
+                "version": importlib.metadata.version("vllm-router"),
+                "sweep": sweep,
+            },
+            "notes": NOTES,
             "setup": {
                 "rate_per_s": args.rate,
                 "seconds": args.seconds,
                 "concurrency": args.concurrency,
                 "router_replicas": args.replicas,
-                "workload": f"chat conversations of {args.turns} turns, each turn to the next replica in turn",
+                "workload": f"chat conversations of {args.turns} turns, each turn to the next replica in turn, "
+                f"each with an {SESSION_HEADER} header",
+                "cpu_per_request": "user + system CPU of the router processes (all threads, /proc) over the "
+                f"{args.rate:.0f} requests/s window, divided by the requests it served",
                 "machine": (
                     f"{len(cores)} cores, loopback; "
                     + (
-                        f"the router replicas on core(s) {sorted(router_cores)}, load generator and upstream on "
-                        f"core {sorted(client_cores)} in both arms (as the router's own pod would have its CPU)"
+                        f"the routers on core(s) {sorted(router_cores)}, load generator and upstream on "
+                        f"core {sorted(client_cores)} in every arm (as the router's own pod would have its CPU)"
                         if pinned
                         else "upstream, router and load generator share them"
                     )
@@ -373,7 +518,10 @@ def main() -> int:
             },
         },
     )
-    return 0
+
+
+def _show(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

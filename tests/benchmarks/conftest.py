@@ -48,3 +48,9 @@ def fidelity() -> Iterator[ModuleType]:
 def freshness() -> Iterator[ModuleType]:
     """benchmarks/freshness.py: result stamps and their status."""
     yield from _script("freshness")
+
+
+@pytest.fixture(scope="module")
+def router_overhead() -> Iterator[ModuleType]:
+    """benchmarks/router_overhead.py: coserve's router against vllm-router's swept configurations."""
+    yield from _script("router_overhead")

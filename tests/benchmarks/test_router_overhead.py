@@ -1,0 +1,46 @@
+"""The router_overhead benchmark's judgement: vllm-router's best configuration for each figure, and the ratios."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+
+def row(policy: str, threads: int, p99: float, cpu: float, rps: float) -> dict[str, Any]:
+    return {"policy": policy, "worker_threads": threads, "added_p99_s": p99, "cpu_s_per_request": cpu,
+            "requests_per_s": rps}  # fmt: skip
+
+
+SWEEP = [
+    row("round_robin", 1, 0.0004, 0.00020, 6000),
+    row("consistent_hash", 1, 0.0003, 0.00025, 7000),
+    row("cache_aware", 2, 0.0006, 0.00015, 5000),
+]
+
+
+def test_each_figure_is_compared_with_the_configuration_best_at_it(router_overhead: ModuleType) -> None:
+    ours = {"added_p99_s": 0.0006, "cpu_s_per_request": 0.0003, "requests_per_s": 3500}
+    verdict = router_overhead.peer_comparison(ours, SWEEP)
+    assert verdict["best"]["added_p99_s"]["policy"] == "consistent_hash"
+    assert verdict["best"]["cpu_s_per_request"] == {"policy": "cache_aware", "worker_threads": 2,
+                                                    "cpu_s_per_request": 0.00015}  # fmt: skip
+    assert verdict["best"]["requests_per_s"]["requests_per_s"] == 7000
+    assert abs(verdict["added_p99_ratio"] - 2.0) < 1e-9 and verdict["added_p99_met"]  # at most 2x: met
+    assert abs(verdict["cpu_per_request_ratio"] - 2.0) < 1e-9 and not verdict["cpu_met"]  # over 1.5x
+    assert abs(verdict["requests_per_s_ratio"] - 0.5) < 1e-9
+
+
+def test_a_peer_latency_within_the_noise_of_direct_gives_no_ratio_and_no_target_met(
+    router_overhead: ModuleType,
+) -> None:
+    sweep = [row("round_robin", 1, -0.0001, 0.0002, 6000), row("cache_aware", 1, 0.0, 0.0002, 6000)]
+    verdict = router_overhead.peer_comparison({"added_p99_s": 0.0001, "cpu_s_per_request": 0.0002,
+                                               "requests_per_s": 6000}, sweep)  # fmt: skip
+    assert verdict["added_p99_ratio"] is None and not verdict["added_p99_met"]
+    assert verdict["cpu_met"]
+
+
+def test_the_best_of_a_tie_is_the_first_swept(router_overhead: ModuleType) -> None:
+    tied = [row("round_robin", 1, 0.001, 0.0002, 6000), row("round_robin", 2, 0.001, 0.0002, 6000)]
+    assert router_overhead.best_of(tied, "added_p99_s")["worker_threads"] == 1
+    assert router_overhead.best_of(tied, "requests_per_s", highest=True)["worker_threads"] == 1
