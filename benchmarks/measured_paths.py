@@ -30,9 +30,9 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "checkpoint_overhead": (*ENGINE, "benchmarks/kv_offload.py"),
     "kv_pool": ("benchmarks/kv_pool.py",),
     "ttfet": (*ENGINE, "benchmarks/ttfet.py"),
-    # the script starts ``coserve router`` processes: the router package is a root, not an import
-    "router_overhead": ("benchmarks/router_overhead.py", "src/coserve/router"),
-    "router_pins": ("benchmarks/router_overhead.py", "src/coserve/router"),
+    # the script starts ``coserve router`` processes: the router app (and what it imports) is a root, not an import
+    "router_overhead": ("benchmarks/router_overhead.py", "src/coserve/router/app.py"),
+    "router_pins": ("benchmarks/router_overhead.py", "src/coserve/router/app.py"),
     "reconcile": ("benchmarks/reconcile.py",),
     "autoscaling": ("benchmarks/autoscaling.py",),
     # the simulator against the measured runs it predicts (their engines and scripts included)
