@@ -218,3 +218,16 @@ async def running_operator(
 async def create_pool(client: httpx.AsyncClient, body: dict[str, Any] | None = None) -> None:
     response = await client.post(POOLS_URL, json=copy.deepcopy(body or POOL))
     assert response.status_code in (200, 201), response.text
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies ``application/merge-patch+json`` (tests that emulate the server)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out

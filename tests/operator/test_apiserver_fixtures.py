@@ -36,7 +36,7 @@ import pytest
 from conftest import APISERVER_RECORDINGS as FIXTURES
 from coserve.operator.reconcile import ChildKey, Reconciliation, drift, reconcile
 from coserve.operator.resources import CHILDREN
-from operator_kmock import as_stored
+from operator_kmock import as_stored, merge_patch
 
 # coserve's version at the commit the recordings were made at: a router on the default image follows it.
 RECORDED_OPERATOR_TAG = "0.1.0"
@@ -117,19 +117,6 @@ CASES = [pytest.param("llm", "agents", source, id=f"llm.agents-{source}") for so
     pytest.param("serving", "tiered", source, id=f"serving.tiered-{source}")
     for source in ("kubectl-lists", "no-apiVersion-kind")
 ]
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386, as the API server applies ``application/merge-patch+json``."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
 
 
 # What this version adds to what the recorded version created: five children and three disruption budgets, the

@@ -26,6 +26,7 @@ from coserve.autoscaling.queries import queries_for
 from coserve.operator.autoscaler import Autoscaler
 from coserve.operator.cache import ObjectCache
 from coserve.operator.reconcile import PoolEvent
+from operator_kmock import merge_patch
 from pool_builders import sample_pool
 
 NS, NAME = "serving", "chat"
@@ -45,19 +46,6 @@ STEADY = {
 }
 
 
-def merged(target: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merged(out.get(key), value)
-    return out
-
-
 class FakeKube:
     """The API server's side of merge patches, over the operator's cache; counts status writes."""
 
@@ -72,7 +60,7 @@ class FakeKube:
     ) -> dict[str, Any]:
         if kind == KIND and subresource == "status":
             self.status_writes.append(copy.deepcopy(dict(body)))
-        stored = merged(self.cache.get(kind, namespace, name), body)
+        stored = merge_patch(self.cache.get(kind, namespace, name), body)
         autoscaling = (stored.get("status") or {}).get("autoscaling")
         if self.old_crd and autoscaling is not None:
             autoscaling.setdefault("history", [])
