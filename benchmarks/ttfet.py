@@ -10,6 +10,23 @@ handoff, and two routers in front of the same engines:
   emptiest decoder, which computes whatever of the prompt it does not hold (what
   a per-request load balancer in front of vLLM does).
 
+and vLLM's own router (``vllm-router``, the bench extra pins it) in front of the
+same engines, as the router a vLLM user would pick instead, its policies swept:
+``round_robin``, ``consistent_hash`` (keyed by the conversation: every request
+carries ``x-session-id``, the first header it hashes; coserve ignores it and
+names conversations by their prompt's prefix) and ``cache_aware`` (its default:
+prefix trees of what each decoder was sent), each over the two decoders, which
+compute what they lack; and its P/D mode (``--vllm-pd-disaggregation``, one
+prefiller, the two decoders, ``cache_aware`` choosing the decoder). Its P/D mode
+works with the local pool's engines: it sends the prefill ``kv_transfer_params``
+``{"do_remote_decode": true, ...}`` (NixlConnector's fields, the rest null),
+``max_tokens`` 1, not streamed, and the decoder the prefiller's answered
+``kv_transfer_params``, which is vLLM's P/D protocol, the one coserve's shared
+memory handoff follows (the prefiller keeps the prompt's blocks and answers
+``do_remote_prefill``; the decoder loads them). It does so for every turn (its
+policies choose the decoder, never skip the prefill), like the per-turn arm.
+vllm-router's best policy is the one with the lowest p95 TTFET.
+
 Workload (the same for both, the engines' caches emptied in between): ``--conversations``
 agentic conversations arriving at ``--rate`` per second; each has a long first
 turn (``--first`` tokens), then ``--turns`` - 1 short turns that append the
@@ -18,22 +35,28 @@ previous answer and a tool result (``--appended`` tokens) after a tool-call gap
 first token of its final turn (streamed). Decoder recomputation is the decoders'
 ``vllm:prompt_tokens_by_source_total{source="local_compute"}``.
 
-    .venv/bin/python benchmarks/ttfet.py      # ~13 min
+    .venv/bin/python benchmarks/ttfet.py      # ~35 min (vllm-router's four arms ~20 of them)
 
-Writes benchmarks/results/ttfet.json. ``met`` is true when conversation-level
-placement has a lower p95 TTFET than both baselines (p95 from >= 100
-conversations per arm, else not reported and not met).
+Writes benchmarks/results/ttfet.json. Targets (p95 from >= 100 conversations per
+arm, else not reported and not met): conversation-level placement has a lower p95
+TTFET than both coserve baselines, and a p95 at least 1.3x lower than vllm-router's
+best policy; ``met`` when both are.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.metadata
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -47,7 +70,13 @@ from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from router_served import Served
+from router_served import Served, free_port
+
+PEER_POLICIES = ("round_robin", "consistent_hash", "cache_aware")
+PEER_PD_POLICY = "cache_aware"  # its default policy, choosing the decoder in its P/D mode
+PEER_TARGET = 1.3  # coserve's p95 TTFET at least this many times lower than vllm-router's best policy's
+SESSION_HEADER = "x-session-id"  # what vllm-router's consistent_hash reads first; coserve ignores it
+NOTES: list[str] = []  # why a target is missed and what would close it (set after a run)
 
 CLASSES = [
     {"name": "interactive", "weight": 10, "ttftSloMs": 10000, "tpotSloMs": 2000},
@@ -70,12 +99,12 @@ def reset(urls: list[str]) -> None:
         httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "true"}, timeout=60).raise_for_status()
 
 
-async def turn(session: aiohttp.ClientSession, base: str, prompt: list[int]) -> float:
-    """Stream one turn (16 tokens); returns when its first token arrived (perf_counter)."""
+async def turn(session: aiohttp.ClientSession, base: str, prompt: list[int], name: str) -> float:
+    """Stream one turn (16 tokens) of conversation ``name``; returns when its first token arrived (perf_counter)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     body["stream"] = True
     first = 0.0
-    async with session.post(f"{base}/v1/completions", json=body) as response:
+    async with session.post(f"{base}/v1/completions", json=body, headers={SESSION_HEADER: name}) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
         async for line in response.content:
@@ -98,7 +127,7 @@ async def conversation(
         if index:
             await asyncio.sleep(args.gap)  # the agent runs a tool
             prompt += [rng.randrange(16, 1000) for _ in range(16 + args.appended)]
-        first = await turn(session, base, prompt)
+        first = await turn(session, base, prompt, f"conversation-{seed}")
     return first - arrived
 
 
@@ -116,6 +145,59 @@ async def run_arm(base: str, args: argparse.Namespace) -> list[float]:
         )
 
 
+def peer_command(port: int, policy: str, prefillers: list[str], decoders: list[str], pd: bool) -> list[str]:
+    """vllm-router in front of the engines: over the decoders, or (``pd``) its vLLM P/D mode. Its warning
+    level logs three lines per request: error only."""
+    command = [str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
+               "--policy", policy, "--log-level", "error", "--worker-startup-check-interval", "1",
+               "--prometheus-port", str(free_port())]  # fmt: skip
+    if pd:
+        command += ["--vllm-pd-disaggregation", *(a for p in prefillers for a in ("--prefill", p))]
+        return command + [a for d in decoders for a in ("--decode", d)]
+    return [*command, "--worker-urls", *decoders]
+
+
+@contextlib.contextmanager
+def peer_router(command: list[str], port: int) -> Iterator[str]:
+    """vllm-router running ``command`` until the block ends; its URL once it is ready (all workers healthy)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=dict(os.environ))  # noqa: S603 - pinned
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vllm-router exited ({process.returncode}): {' '.join(command)}")
+            try:
+                if httpx.get(f"{url}/readiness", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("vllm-router did not become ready")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def arm_result(ttfet: list[float], recomputed: float) -> dict[str, Any]:
+    return {
+        "n": len(ttfet),
+        # only from enough conversations to support them (p50: 10, p95: 100), else null
+        "ttfet_p50_s": reportable_percentile(ttfet, 50),
+        "ttfet_p95_s": reportable_percentile(ttfet, 95),
+        "decoder_computed_prompt_tokens": recomputed,
+        "ttfet_s": ttfet,
+    }
+
+
+def best_peer(arms: dict[str, dict[str, Any]]) -> str | None:
+    """The vllm-router arm with the lowest p95 TTFET (the first such on a tie); None when none has a p95."""
+    ranked = [(arm["ttfet_p95_s"], name) for name, arm in arms.items() if arm["ttfet_p95_s"] is not None]
+    return min(ranked, key=lambda pair: pair[0])[1] if ranked else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=100, help="per arm (default 100: p95 needs 100)")
@@ -126,6 +208,11 @@ def main() -> int:
     parser.add_argument("--gap", type=float, default=1.0, help="tool-call gap between turns, s (default 1)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--peer-policies", nargs="*", default=list(PEER_POLICIES),
+                        help="vllm-router policies over the decoders (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--no-peer-pd", action="store_true", help="leave out vllm-router's P/D mode arm")
+    parser.add_argument("--arms", nargs="*", default=["request", "turn", "conversation"],
+                        help="coserve's placements measured (default: all three)")  # fmt: skip
     args = parser.parse_args()
     model = bench_model(args.layers, args.hidden_size)
     config = {"priorityClasses": CLASSES, "costModel": measured_cost_model(model)}
@@ -133,6 +220,7 @@ def main() -> int:
     handoff = Path("/dev/shm") / f"coserve-ttfet-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff's directory
     handoff.mkdir()
     results: dict[str, Any] = {}
+    peers: dict[str, dict[str, Any]] = {}
     with ExitStack() as stack:
         engines: dict[str, list[str]] = {"prefiller": [], "decoder": []}
         for role, index, kv_role, extra in (
@@ -152,7 +240,7 @@ def main() -> int:
             )
             engines[role].append(stack.enter_context(EngineServer(settings)).base)
         everyone = engines["prefiller"] + engines["decoder"]
-        for placement in ("request", "turn", "conversation"):
+        for placement in args.arms:
             reset(everyone)
             for child in handoff.iterdir():
                 child.unlink()
@@ -168,59 +256,74 @@ def main() -> int:
                 recomputed = computed_tokens(engines["decoder"]) - before
             finally:
                 router.stop()
-            results[placement] = {
-                "n": len(ttfet),
-                # only from enough conversations to support them (p50: 10, p95: 100), else null
-                "ttfet_p50_s": reportable_percentile(ttfet, 50),
-                "ttfet_p95_s": reportable_percentile(ttfet, 95),
-                "decoder_computed_prompt_tokens": recomputed,
-                "ttfet_s": ttfet,
-            }
+            results[placement] = arm_result(ttfet, recomputed)
             say(f"{placement}: TTFET p50 {percentile(ttfet, 50):.2f} s over {len(ttfet)}, decoders computed "
                 f"{recomputed:.0f} prompt tokens")  # fmt: skip
+        peer_arms = [(f"vllm-router {policy}", policy, False) for policy in args.peer_policies]
+        if not args.no_peer_pd:
+            peer_arms.append((f"vllm-router P/D {PEER_PD_POLICY}", PEER_PD_POLICY, True))
+        for name, policy, pd in peer_arms:
+            reset(everyone)
+            for child in handoff.iterdir():
+                child.unlink()
+            port = free_port()
+            command = peer_command(port, policy, engines["prefiller"], engines["decoder"], pd)
+            try:
+                with peer_router(command, port) as url:
+                    before = computed_tokens(engines["decoder"])
+                    say(f"{name}: {args.conversations} conversations of {args.turns} turns")
+                    ttfet = asyncio.run(run_arm(url, args))
+                    recomputed = computed_tokens(engines["decoder"]) - before
+            except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as error:  # an arm that fails is reported
+                say(f"{name} failed: {error}")
+                peers[name] = {"policy": policy, "pd": pd, "error": str(error)[:500], "n": 0, "ttfet_p50_s": None,
+                               "ttfet_p95_s": None, "decoder_computed_prompt_tokens": None}  # fmt: skip
+                continue
+            peers[name] = arm_result(ttfet, recomputed) | {"policy": policy, "pd": pd}
+            say(f"{name}: TTFET p50 {percentile(ttfet, 50):.2f} s, p95 {percentile(ttfet, 95):.2f} s; decoders "
+                f"computed {recomputed:.0f} prompt tokens")  # fmt: skip
     for child in handoff.iterdir():
         child.unlink()
     handoff.rmdir()
+    arms = {**results, **peers}
+    print(f"\n{'arm':34}{'TTFET p50 s':>13}{'p95 s':>9}{'decoder prompt tokens computed':>32}")
+    for name, arm in arms.items():
+        print(f"{name:34}{show(arm['ttfet_p50_s'], '{:.2f}'):>13}{show(arm['ttfet_p95_s'], '{:.2f}'):>9}"
+              f"{show(arm['decoder_computed_prompt_tokens'], '{:.0f}'):>32}{'  ' + arm.get('error', '')}")  # fmt: skip
+    if not {"request", "turn", "conversation"} <= set(results):
+        say("not every coserve arm ran: nothing written")
+        return 0
     ours = results["conversation"]
-
-    def ratios(base: dict[str, Any]) -> tuple[float | None, float]:
-        computed = ours["decoder_computed_prompt_tokens"]
-        recompute = base["decoder_computed_prompt_tokens"] / computed if computed else float("inf")
-        if base["ttfet_p95_s"] is None or not ours["ttfet_p95_s"]:
-            return None, recompute  # too few conversations for a p95
-        return base["ttfet_p95_s"] / ours["ttfet_p95_s"], recompute
-
-    def show(value: float | None, fmt: str) -> str:
-        return "-" if value is None else fmt.format(value)
-
-    print(f"\n{'':34}{'per request':>13}{'per turn':>10}{'conversation':>14}")
-    for label, key, fmt in (
-        ("TTFET p50 (s)", "ttfet_p50_s", "{:.2f}"),
-        ("TTFET p95 (s)", "ttfet_p95_s", "{:.2f}"),
-        ("decoder prompt tokens computed", "decoder_computed_prompt_tokens", "{:.0f}"),
-    ):
-        row = [show(results[arm][key], fmt) for arm in ("request", "turn", "conversation")]
-        print(f"{label:34}{row[0]:>13}{row[1]:>10}{row[2]:>14}")
-    turn_ratio, turn_recompute = ratios(results["turn"])
-    request_ratio, request_recompute = ratios(results["request"])
-    met = turn_ratio is not None and request_ratio is not None and min(turn_ratio, request_ratio) > 1.0
+    turn_ratio, turn_recompute = ratios(ours, results["turn"])
+    request_ratio, request_recompute = ratios(ours, results["request"])
+    both_met = turn_ratio is not None and request_ratio is not None and min(turn_ratio, request_ratio) > 1.0
+    best = best_peer(peers)
+    peer_ratio, peer_recompute = ratios(ours, peers[best]) if best is not None else (None, None)
+    peer_met = peer_ratio is not None and peer_ratio >= PEER_TARGET
     print(
         f"p95 TTFET per turn / conversation: {show(turn_ratio, '{:.2f}')}; per request / conversation: "
-        f"{show(request_ratio, '{:.2f}')}; target (lower p95 than both) {'met' if met else 'NOT met'}"
+        f"{show(request_ratio, '{:.2f}')}; target (lower p95 than both) {'met' if both_met else 'NOT met'}"
     )
+    print(f"p95 TTFET vllm-router's best ({best}) / conversation: {show(peer_ratio, '{:.2f}')}; target "
+          f"(>= {PEER_TARGET}) {'met' if peer_met else 'NOT met'}")  # fmt: skip
     write_result(
         "ttfet",
         {
             "benchmark": "ttfet",
             "target": (
                 "p95 TTFET (from >= 100 conversations) lower with conversation-level placement than with both "
-                "per-turn and per-request placement; decoder prefill recomputation reported"
+                f"per-turn and per-request placement, and at least {PEER_TARGET}x lower than vllm-router's best "
+                "policy's; decoder prefill recomputation reported"
             ),
-            "met": bool(met),
+            "met": bool(both_met and peer_met),
+            "lower_than_both_met": bool(both_met),
+            "vs_vllm_router_met": bool(peer_met),
             "ttfet_p95_ratio_per_turn_over_conversation": turn_ratio,
             "decoder_recompute_ratio_per_turn_over_conversation": turn_recompute,
             "ttfet_p95_ratio_per_request_over_conversation": request_ratio,
             "decoder_recompute_ratio_per_request_over_conversation": request_recompute,
+            "ttfet_p95_ratio_vllm_router_best_over_conversation": peer_ratio,
+            "decoder_recompute_ratio_vllm_router_best_over_conversation": peer_recompute,
             "conversation": ours,
             "baseline": {
                 "name": "per-turn placement: every turn prefilled on the prefiller and handed to the emptiest decoder",
@@ -230,6 +333,14 @@ def main() -> int:
                 "name": "per-request placement: the emptiest decoder computes what it lacks, no prefiller",
                 **results["request"],
             },
+            "vllm_router": {
+                "name": "vllm-router (vLLM's router, Rust) in front of the same engines, its policies swept; best: "
+                "the lowest p95 TTFET",
+                "version": importlib.metadata.version("vllm-router"),
+                "best": best,
+                "arms": peers,
+            },
+            "notes": NOTES,
             "setup": {
                 key: getattr(args, key)
                 for key in ("conversations", "rate", "turns", "first", "appended", "gap", "layers", "hidden_size")
@@ -237,6 +348,19 @@ def main() -> int:
         },
     )
     return 0
+
+
+def show(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def ratios(ours: dict[str, Any], base: dict[str, Any]) -> tuple[float | None, float]:
+    """``base``'s p95 TTFET over ours (None without both p95s) and its decoder recomputation over ours."""
+    computed = ours["decoder_computed_prompt_tokens"]
+    recompute = base["decoder_computed_prompt_tokens"] / computed if computed else float("inf")
+    if base["ttfet_p95_s"] is None or not ours["ttfet_p95_s"]:
+        return None, recompute  # too few conversations for a p95
+    return base["ttfet_p95_s"] / ours["ttfet_p95_s"], recompute
 
 
 if __name__ == "__main__":

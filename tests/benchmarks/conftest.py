@@ -54,3 +54,9 @@ def freshness() -> Iterator[ModuleType]:
 def router_overhead() -> Iterator[ModuleType]:
     """benchmarks/router_overhead.py: coserve's router against vllm-router's swept configurations."""
     yield from _script("router_overhead")
+
+
+@pytest.fixture(scope="module")
+def ttfet() -> Iterator[ModuleType]:
+    """benchmarks/ttfet.py: conversation-level placement against coserve's baselines and vllm-router's policies."""
+    yield from _script("ttfet")

@@ -1,0 +1,35 @@
+"""The ttfet benchmark's judgement: vllm-router's best policy and the ratios against it; its command lines."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+
+def arm(p95: float | None, computed: float = 1000.0) -> dict[str, Any]:
+    return {"ttfet_p95_s": p95, "decoder_computed_prompt_tokens": computed}
+
+
+def test_vllm_routers_best_policy_is_its_lowest_p95_among_those_with_one(ttfet: ModuleType) -> None:
+    peers = {"vllm-router round_robin": arm(90.0), "vllm-router consistent_hash": arm(40.0),
+             "vllm-router cache_aware": arm(None), "vllm-router P/D cache_aware": arm(40.0)}  # fmt: skip
+    assert ttfet.best_peer(peers) == "vllm-router consistent_hash"  # the first of a tie
+    assert ttfet.best_peer({"vllm-router cache_aware": arm(None)}) is None
+    assert ttfet.best_peer({}) is None
+
+
+def test_the_ratios_are_the_baselines_over_ours(ttfet: ModuleType) -> None:
+    p95, recompute = ttfet.ratios(arm(20.0, 500.0), arm(26.0, 1000.0))
+    assert abs(p95 - 1.3) < 1e-9 and recompute == 2.0
+    assert ttfet.ratios(arm(20.0), arm(None))[0] is None  # too few conversations for a p95
+
+
+def test_vllm_router_runs_over_the_decoders_or_in_its_pd_mode(ttfet: ModuleType) -> None:
+    plain = ttfet.peer_command(9000, "consistent_hash", ["http://p"], ["http://d0", "http://d1"], pd=False)
+    assert plain[plain.index("--worker-urls") :] == ["--worker-urls", "http://d0", "http://d1"]
+    assert plain[plain.index("--policy") + 1] == "consistent_hash" and "--vllm-pd-disaggregation" not in plain
+    assert plain[plain.index("--log-level") + 1] == "error"  # warning logs every request
+    pd = ttfet.peer_command(9000, "cache_aware", ["http://p"], ["http://d0", "http://d1"], pd=True)
+    assert "--vllm-pd-disaggregation" in pd and "--worker-urls" not in pd
+    assert pd[pd.index("--prefill") + 1] == "http://p"
+    assert [pd[i + 1] for i, a in enumerate(pd) if a == "--decode"] == ["http://d0", "http://d1"]
