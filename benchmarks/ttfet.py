@@ -66,6 +66,7 @@ import httpx
 from _harness import bench_model, measured_cost_model, percentile, reportable_percentile, say, write_result
 
 from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.kv.handoff import Handoff, router_sends_transfer_params
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
 
@@ -246,8 +247,9 @@ def main() -> int:
                 child.unlink()
             router_config = {"model": "tiny", "decoders": engines["decoder"], "priorityClasses": CLASSES,
                              "placement": placement, "pollS": 0.5}  # fmt: skip
-            if placement != "request":
+            if placement != "request":  # the shm handoff keeps a prompt's KV only when the router asks for it
                 router_config["prefillers"] = engines["prefiller"]
+                router_config["kvTransferParams"] = router_sends_transfer_params(Handoff.SHM)
             router = Served(build_app(parse_router_config(router_config)))
             try:
                 before = computed_tokens(engines["decoder"])
