@@ -35,7 +35,7 @@ previous answer and a tool result (``--appended`` tokens) after a tool-call gap
 first token of its final turn (streamed). Decoder recomputation is the decoders'
 ``vllm:prompt_tokens_by_source_total{source="local_compute"}``.
 
-    .venv/bin/python benchmarks/ttfet.py      # ~35 min (vllm-router's four arms ~20 of them)
+    .venv/bin/python benchmarks/ttfet.py      # ~25 min (vllm-router's four arms ~13 of them)
 
 Writes benchmarks/results/ttfet.json. Targets (p95 from >= 100 conversations per
 arm, else not reported and not met): conversation-level placement has a lower p95
