@@ -102,15 +102,22 @@ def test_the_prefiller_batches_a_queue_into_chunked_steps_the_cost_model_times(w
     assert second == third == pytest.approx(first + step_s(world, [(1808, 3192), (5000, 0)]))
 
 
-def test_the_spec_carries_the_profile_of_the_worlds_engine(world: ModuleType) -> None:
+def test_the_spec_references_the_profile_of_the_worlds_engine(world: ModuleType) -> None:
     spec, _ = steady(world, rate_per_s=1, seconds=10)
-    curve = spec.profile.prefill_latency
+    assert spec.profile.config_map_ref is not None
+    assert spec.profile.decode_throughput_tokens_per_s is None  # so the plan's T_d comes from the cost model
+    profile = world.engine_profile(world.WORLD)
+    curve = profile.prefill_latency
     for tokens in (1, 1000, 30000):
         predicted = curve.constant_s + curve.per_token_s * tokens + curve.per_token_squared_s * tokens**2
         assert predicted == pytest.approx(step_s(world, [(tokens, 0)]))
     # the profiler's decode measurement: 16 prompts of 32 tokens prefilled together, then 63 decode steps
     elapsed = step_s(world, [(32, 0)] * 16) + sum(step_s(world, [(1, 32 + step - 1)] * 16) for step in range(1, 64))
-    assert spec.profile.decode_throughput_tokens_per_s == pytest.approx(16 * 64 / elapsed, abs=0.1)
+    assert profile.decode_throughput_tokens_per_s == pytest.approx(16 * 64 / elapsed, abs=0.1)
+    # the profile's cost model times the world's steps (a fit on them recovers it)
+    decode = [(1, 1000)] * 64
+    model = world.StepCostModel.from_dict(profile.cost_model)
+    assert model.latency_s(64, 64 * 1000, requests=64) == pytest.approx(step_s(world, decode))
 
 
 def observation(prefiller_requests: float, decoder_requests: float) -> Observation:
@@ -137,7 +144,8 @@ def test_an_autoscaled_pool_grows_under_a_load_its_spec_underestimated(world: Mo
     _, arrivals = steady(world, rate_per_s=6, seconds=180, prompt=4000, output=50)
     thresholds = Thresholds(min_replicas=Replicas(1, 1), max_replicas=Replicas(16, 64), stabilization_window_s=300)
     args = argparse.Namespace(startup=10.0, interval=15)
-    run = world.simulate("coserve", spec, arrivals, world.coserve_scaler(spec, thresholds), args)
+    scaler = world.coserve_scaler(spec, thresholds, world.engine_profile(world.WORLD))
+    run = world.simulate("coserve", spec, arrivals, scaler, args)
     assert set(run.replicas[: world.WARMUP_S]) == {(1, 1)}  # the plan, until the rate window is full
     assert max(p for p, _ in run.replicas) > 1
     missed_per_minute = [sum(run.missed[m * 60 : m * 60 + 60]) for m in range(3)]

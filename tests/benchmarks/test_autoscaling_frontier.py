@@ -1,0 +1,116 @@
+"""The autoscaling benchmark's judgement: the rule's Pareto frontier over (replica-hours, SLO-violation minutes),
+read between and beyond its points, and coserve's point against it."""
+
+from __future__ import annotations
+
+import itertools
+from types import ModuleType
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+# (replica-hours, violation minutes) of five rule settings: (2.5, 6) and (3.0, 2) are beaten
+SWEEP = [(2.0, 8.0), (2.5, 6.0), (2.2, 4.0), (3.0, 2.0), (2.8, 0.0), (3.5, 0.0)]
+FRONTIER = [(2.0, 8.0), (2.2, 4.0), (2.8, 0.0)]
+
+
+def test_the_frontier_keeps_the_points_nothing_beats_sorted_by_replica_hours(world: ModuleType) -> None:
+    assert world.pareto_frontier(SWEEP) == FRONTIER
+    # equal replica-hours: the fewer minutes; equal points once
+    assert world.pareto_frontier([(1.0, 3.0), (1.0, 2.0), (1.0, 2.0)]) == [(1.0, 2.0)]
+    assert world.pareto_frontier([(1.0, 0.0)]) == [(1.0, 0.0)]
+
+
+@pytest.mark.parametrize(
+    ("hours", "minutes"),
+    [
+        (2.0, 8.0),  # on a point
+        (2.1, 6.0),  # linear between (2.0, 8) and (2.2, 4)
+        (2.5, 2.0),  # linear between (2.2, 4) and (2.8, 0)
+        (2.8, 0.0),
+        (1.5, 8.0),  # below the cheapest point: its minutes
+        (9.0, 0.0),  # above the most expensive point: its minutes
+    ],
+)
+def test_the_frontiers_minutes_at_given_replica_hours(world: ModuleType, hours: float, minutes: float) -> None:
+    assert world.frontier_minutes_at(FRONTIER, hours) == pytest.approx(minutes)
+
+
+@pytest.mark.parametrize(
+    ("minutes", "hours"),
+    [
+        (8.0, 2.0),
+        (6.0, 2.1),
+        (2.0, 2.5),
+        (0.0, 2.8),  # the cheapest point with 0 minutes
+        (12.0, 2.0),  # more minutes than the cheapest point: the cheapest point's replica-hours
+    ],
+)
+def test_the_frontiers_replica_hours_at_given_minutes(world: ModuleType, minutes: float, hours: float) -> None:
+    assert world.frontier_hours_at(FRONTIER, minutes) == pytest.approx(hours)
+
+
+def test_fewer_minutes_than_any_setting_reached_is_beyond_the_frontier(world: ModuleType) -> None:
+    assert world.frontier_hours_at([(2.0, 8.0), (3.0, 1.0)], 0.0) is None
+    verdict = world.against_frontier([(2.0, 8.0), (3.0, 1.0)], 4.0, 0.0)
+    assert verdict["beats_frontier"]  # 0 < 1 at 4 replica-hours, however much it spent
+    assert verdict["frontier_replica_hours_at_coserve_minutes"] is None
+
+
+@pytest.mark.parametrize(
+    ("hours", "minutes", "beats", "on_or_below"),
+    [
+        (2.1, 5.0, True, True),  # the frontier has 6 there
+        (2.1, 6.0, False, True),  # on it: not fewer
+        (2.1, 7.0, False, False),
+        (2.5, 2.0, False, True),
+        (1.5, 7.0, True, True),  # cheaper than every setting, fewer minutes than the cheapest
+        (2.7, 0.0, True, True),  # the frontier still has 0.67 minutes there
+        (2.8, 0.0, True, True),  # a tie at 0, at the frontier's cost
+        (2.9, 0.0, False, True),  # a tie at 0 that needs more replica-hours
+        (4.0, 1.0, False, False),  # more replica-hours do not buy the frontier's 0 back
+    ],
+)
+def test_coserve_beats_the_frontier_with_fewer_minutes_at_its_cost_and_a_tie_at_zero_on_cost(
+    world: ModuleType, hours: float, minutes: float, beats: bool, on_or_below: bool
+) -> None:
+    verdict = world.against_frontier(FRONTIER, hours, minutes)
+    assert verdict["beats_frontier"] is beats
+    assert verdict["on_or_below_frontier"] is on_or_below
+    assert verdict["tie_at_zero_minutes"] is (minutes == 0 and hours >= 2.8)
+
+
+points = st.lists(st.tuples(st.floats(0.1, 10.0), st.integers(0, 15).map(float)), min_size=1, max_size=25)
+
+
+@given(points)
+def test_no_sweep_point_lies_below_the_frontier(world: ModuleType, sweep: list[tuple[float, float]]) -> None:
+    frontier = world.pareto_frontier(sweep)
+    assert set(frontier) <= set(sweep)
+    assert [h for h, _ in frontier] == sorted({h for h, _ in frontier})
+    assert all(m1 < m0 for (_, m0), (_, m1) in itertools.pairwise(frontier))
+    for hours, minutes in sweep:
+        assert world.frontier_minutes_at(frontier, hours) <= minutes
+        assert not world.against_frontier(frontier, hours, minutes)["beats_frontier"] or minutes == 0
+
+
+@given(points, st.floats(0.0, 15.0))
+def test_hours_at_inverts_minutes_at_inside_the_frontier(
+    world: ModuleType, sweep: list[tuple[float, float]], minutes: float
+) -> None:
+    frontier = world.pareto_frontier(sweep)
+    hours = world.frontier_hours_at(frontier, minutes)
+    if frontier[-1][1] <= minutes <= frontier[0][1]:
+        assert hours is not None
+        assert world.frontier_minutes_at(frontier, hours) == pytest.approx(minutes)
+
+
+def test_a_points_own_replica_hours_read_its_minutes_exactly(world: ModuleType) -> None:
+    # float noise here would turn a tie at 0 into a win: 0 < 8.9e-16
+    frontier = [(3.0, 7.0), (4.558180784095902, 0.0)]
+    assert world.frontier_minutes_at(frontier, 4.558180784095902) == 0.0
+    assert world.frontier_hours_at(frontier, 0.0) == 4.558180784095902
+    verdict = world.against_frontier(frontier, 4.558180784095902, 0.0)
+    assert verdict["tie_at_zero_minutes"]
+    assert verdict["beats_frontier"]  # at the frontier's own cost
