@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coserve.scheduling import CostSample, StepCostModel, fit_cost_model
-from coserve.scheduling.cost_model import hold_out_interior
+from coserve.scheduling.cost_model import hold_out_interior, served_sample
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,3 +154,31 @@ def test_the_fit_weighs_short_and_long_steps_alike() -> None:
     steps = h200_grid()
     report = fit_cost_model(steps, steps)
     assert report.max_relative_error_holdout < 0.15  # plain least squares: 21 %, on the decode steps
+
+
+def test_served_steps_fit_with_the_attention_their_scheduler_summed() -> None:
+    """Served steps mix a prefill chunk with decodes: only the attention sum the scheduler traced identifies k2."""
+    rng = random.Random(3)
+    steps = []
+    for _ in range(60):
+        pieces = [(rng.choice((16, 64, 256)), rng.randrange(0, 2048))] + [(1, rng.randrange(64, 4096))] * rng.randrange(
+            0, 60
+        )
+        steps.append(
+            {
+                "requests": len(pieces),
+                "new": sum(p for p, _ in pieces),
+                "context": sum(c for _, c in pieces),
+                "attention": sum(p * (p + c) for p, c in pieces),
+                "start": 10.0,
+                "end": 10.0 + TRUE.step_latency_s(pieces),
+            }
+        )
+    served = [served_sample(step) for step in steps]
+    assert served[0].attention == steps[0]["attention"]
+    report = fit_cost_model(served[::2], served[1::2])
+    assert report.max_relative_error_holdout < 1e-6
+    assert report.model.k2 == pytest.approx(TRUE.k2, rel=1e-6)
+    # read as uniform batches (no attention sum), the same steps misfit
+    uniform = [CostSample(s.new_tokens, s.context_tokens, s.latency_s, s.requests) for s in served]
+    assert fit_cost_model(uniform[::2], uniform[1::2]).max_relative_error_holdout > 0.01

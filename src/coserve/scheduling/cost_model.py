@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CostSample", "FitReport", "StepCostModel", "fit_cost_model", "hold_out_interior"]
+__all__ = ["CostSample", "FitReport", "StepCostModel", "fit_cost_model", "hold_out_interior", "served_sample"]
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,15 @@ class CostSample:
 
     ``requests`` is how many requests shared the step equally (a uniform batch: each computed P/requests
     new tokens over C/requests of context); 1 for a single prefill or chunk, B for a decode batch of B.
+    A served step (the engine's step trace: a prefill chunk beside decodes) is not uniform: give its
+    ``attention_sum`` Σᵢ pᵢ·(pᵢ + cᵢ) as the scheduler computed it (``served_sample``).
     """
 
     new_tokens: int
     context_tokens: int
     latency_s: float
     requests: int = 1
+    attention_sum: float | None = None
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -52,7 +55,9 @@ class CostSample:
 
     @property
     def attention(self) -> float:
-        """Σᵢ pᵢ·(pᵢ + cᵢ) for equal requests: P·(P + C) / requests."""
+        """Σᵢ pᵢ·(pᵢ + cᵢ): as given, else for equal requests P·(P + C) / requests."""
+        if self.attention_sum is not None:
+            return self.attention_sum
         return self.new_tokens * (self.new_tokens + self.context_tokens) / self.requests
 
 
@@ -146,7 +151,24 @@ def _features(samples: Sequence[CostSample]) -> np.ndarray:
 
 
 def _predicted(model: StepCostModel, sample: CostSample) -> float:
-    return model.latency_s(sample.new_tokens, sample.context_tokens, sample.requests)
+    return model.latency_from(sample.new_tokens, sample.context_tokens, sample.attention)
+
+
+def served_sample(step: dict[str, float]) -> CostSample:
+    """A step the engine served, from its step trace line (``COSERVE_STEP_TRACE``, written by the scheduler):
+    ``new`` and ``context`` tokens in total, their ``attention`` sum, ``requests``, and ``start``/``end``.
+
+    Fitted like profiled steps, served steps give the cost model as the engine really runs: with the
+    per-request work of large batches, the sampler and the scheduler itself, which single-request
+    profile steps leave out (``benchmarks/simulator_fidelity.py`` measures the difference).
+    """
+    return CostSample(
+        new_tokens=int(step["new"]),
+        context_tokens=int(step["context"]),
+        latency_s=float(step["end"]) - float(step["start"]),
+        requests=max(int(step["requests"]), 1),
+        attention_sum=float(step["attention"]),
+    )
 
 
 def _fit(samples: Sequence[CostSample]) -> StepCostModel:
