@@ -13,7 +13,8 @@ surface as PlanValid=False.
 
 The symbols of the provisioning model map to fields here once:
 R = ``workload.arrival_rate_per_s``, L_in = ``workload.input_tokens``,
-L_d = ``workload.output_tokens``, W = ``workload.lifetime_s``,
+L_d = ``workload.output_tokens``, W = ``workload.lifetime_s``, n = ``workload.turns``,
+a = ``workload.appended_tokens``, g = ``workload.idle_s``,
 T_d = ``profile.decode_throughput_tokens_per_s``, B = KV slots derived from
 ``profile.kv_capacity_tokens`` / ``profile.live_context_tokens``, and T_p from
 ``profile.prefill_latency`` evaluated at L_in.
@@ -1140,6 +1141,15 @@ class WorkloadSpec(ApiModel):
         le=10_000_000,
         description="inputTokens is the mean prompt length L_in of a conversation's first turn.",
     )
+    input_tokens_std_dev: float = Field(
+        default=0.0,
+        ge=0,
+        le=10_000_000,
+        description="inputTokensStdDev is the standard deviation σ of turn-1 prompt lengths. Prefill time grows "
+        "faster than linearly with length, so prompts of mixed lengths cost a prefiller more than prompts of the "
+        "mean length: the plan prices a prefill at the mean of latency(L), constantS + perTokenS·inputTokens + "
+        "perTokenSquaredS·(inputTokens² + σ²). Default 0: every prompt of the mean length.",
+    )
     output_tokens: int = Field(
         ge=1,
         le=10_000_000,
@@ -1148,8 +1158,33 @@ class WorkloadSpec(ApiModel):
     lifetime_s: float = Field(
         gt=0,
         le=2_592_000,
-        description="lifetimeS is the mean time W a conversation keeps its KV on a decoder, from its first "
-        "token to its last, tool-call gaps included.",
+        description="lifetimeS is the mean time W from a conversation's first token to its last, tool-call "
+        "gaps included.",
+    )
+    turns: float = Field(
+        default=1.0,
+        ge=1,
+        le=100_000,
+        description="turns is the mean number of requests per conversation. Turn 1 is prefilled on a prefiller; "
+        "every later turn runs on the conversation's decoder, which prefills what the turn appends. 1 (the "
+        "default): single-turn conversations.",
+    )
+    appended_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=10_000_000,
+        description="appendedTokens is the mean number of prompt tokens each later turn appends (a tool's result, "
+        "the user's next message), not counting the previous answer, whose KV the decoder already holds. The "
+        "decoder prefills them. Default 0.",
+    )
+    idle_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=2_592_000,
+        description="idleS is the mean time between one turn's answer and the next turn's arrival (a tool call, "
+        "the user thinking). Nothing of the conversation runs meanwhile, so the engine keeps its KV only as "
+        "evictable prefix cache; the conversation runs on its decoder for lifetimeS - (turns - 1)·idleS. "
+        "Default 0: its KV is counted for the whole lifetime.",
     )
 
 
@@ -1217,8 +1252,9 @@ class ProfileSpec(ApiModel):
         default=None,
         ge=1,
         le=10_000_000,
-        description="liveContextTokens is the mean context a live conversation keeps in KV; "
-        "defaults to inputTokens + outputTokens. KV slots B = floor(kvCapacityTokens / liveContextTokens).",
+        description="liveContextTokens is the context a running conversation keeps in KV; defaults to "
+        "inputTokens + outputTokens + (turns - 1)·appendedTokens, its whole context at its last token. KV slots "
+        "B = floor(kvCapacityTokens / liveContextTokens).",
     )
     config_map_ref: ConfigMapProfileRef | None = Field(
         default=None,

@@ -23,6 +23,7 @@ __all__ = [
     "Condition",
     "ConditionStatus",
     "ConditionType",
+    "IdleKV",
     "Plan",
     "PlanUtilization",
     "ReplicaStatus",
@@ -77,12 +78,23 @@ class Bottleneck(StrEnum):
     DECODER_MEMORY = "DecoderMemory"
 
 
+class IdleKV(StrEnum):
+    """What the plan assumes becomes of a conversation's KV while it is idle between turns."""
+
+    KEPT = "Kept"  # held in the decoder's prefix cache until the next turn: KV for the whole lifetime W
+    EVICTED = "Evicted"  # evicted by newer work: KV only while running, and every later turn recomputes its prompt
+
+
 class PlanUtilization(ApiModel):
     """Expected utilization of each resource at the target arrival rate (1.0 = saturated)."""
 
     prefiller: float = Field(ge=0, description="prefiller is R / (prefillers · R*).")
-    decoder_throughput: float = Field(ge=0, description="decoderThroughput is R·L_d / (decoders · T_d).")
-    decoder_memory: float = Field(ge=0, description="decoderMemory is R·W / (decoders · B).")
+    decoder_throughput: float = Field(
+        ge=0, description="decoderThroughput is R·(L_d + w·A) / (decoders · T_d): decode and decoder prefill work."
+    )
+    decoder_memory: float = Field(
+        ge=0, description="decoderMemory is R·W_kv / (decoders · B), W_kv the time a conversation's KV is held."
+    )
 
 
 class Plan(ApiModel):
@@ -107,6 +119,30 @@ class Plan(ApiModel):
     )
     decoders_per_prefiller: float = Field(
         ge=0, description="decodersPerPrefiller is the decoders one saturated prefiller needs, before headroom."
+    )
+    decoder_prefill_tokens: float = Field(
+        default=0.0,
+        ge=0,
+        description="decoderPrefillTokens is A, the prompt tokens a decoder prefills per conversation: what the "
+        "later turns append ((turns - 1)·appendedTokens), or, when idleKv is Evicted, their whole prompts.",
+    )
+    prefill_weight: float = Field(
+        default=0.0,
+        ge=0,
+        description="prefillWeight is w, the decoder time one of those prefill tokens costs, in decode tokens: "
+        "decoders need N·T_d >= R·(L_d + w·A).",
+    )
+    kv_held_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="kvHeldS is W_kv, the seconds a conversation's KV is held on its decoder: lifetimeS when "
+        "idleKv is Kept, lifetimeS - (turns - 1)·idleS (the time it runs) when Evicted.",
+    )
+    idle_kv: IdleKV = Field(
+        default=IdleKV.KEPT,
+        description="idleKv is Kept when the decoders are sized to keep idle conversations' KV cached between "
+        "turns, Evicted when they are sized for running conversations only and later turns recompute their "
+        "prompts (whichever needs fewer decoders).",
     )
     binding_constraint: Bottleneck = Field(
         description="bindingConstraint is the decoder constraint that set decoders: DecoderThroughput or DecoderMemory."

@@ -556,6 +556,16 @@ def _print_table(pool: CoServePool, plan: Plan, stream: TextIO) -> None:
         ("prefill throughput", f"{plan.prefill_throughput_tokens_per_s:,.0f}", "tokens/s per prefiller (T_p)"),
         ("KV slots", str(plan.kv_slots_per_decoder), "conversations per decoder (B)"),
         ("design rate", f"{plan.design_rate_per_s:.4g}", "conversations/s the decoders are sized for"),
+        (
+            "decoder prefill",
+            f"{plan.decoder_prefill_tokens:,.0f}",
+            f"tokens per conversation (A), each worth w = {plan.prefill_weight:.3g} decode tokens",
+        ),
+        (
+            "idle KV",
+            plan.idle_kv.value,
+            "KV held " + (f"{plan.kv_held_s:.4g} s per conversation (W_kv)" if plan.kv_held_s is not None else "for W"),
+        ),
     ]
     utilization = plan.utilization
     out = [

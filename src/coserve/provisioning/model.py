@@ -10,12 +10,16 @@ Symbols (from the conversation-level disaggregation paper) and their names here:
     T_d   decoder throughput (tokens/s)      -> profile.decode_throughput_tokens_per_s, or the step
                                                 cost model at B requests of live context each
     B     KV slots per decoder               -> floor(kv_capacity_tokens / live_context_tokens)
+    A, w  decoder prefill per conversation and its cost in decode tokens  (``coserve.provisioning.decoders``)
+    W_kv  seconds a conversation's KV is held on its decoder              (``coserve.provisioning.decoders``)
 
 One prefiller saturates at ``R* = T_p / L_in`` conversations/s, so M prefillers
 serve a target rate R when ``M = ceil(R / R*)``. Decoders must satisfy both
-``N·T_d >= R·L_d`` (throughput) and ``N·B >= R·W`` (KV memory). Evaluating them
-at the prefillers' saturation rate ``M·R*``, with ``headroom`` on top, makes the
-prefiller pool (whose load the router observes) the first thing to saturate.
+``N·T_d >= R·(L_d + w·A)`` (throughput: decoding, and prefilling later turns)
+and ``N·B >= R·W_kv`` (KV memory, held as vLLM holds it; ``decoders`` says how
+idle conversations count). Evaluating them at the prefillers' saturation rate
+``M·R*``, with ``headroom`` on top, makes the prefiller pool (whose load the
+router observes) the first thing to saturate.
 
 NOTE: the rate the decoders are sized for is ``min(M·R*, headroom·R)``. A pool
 whose target is far below one prefiller's saturation point would otherwise get
@@ -32,8 +36,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from coserve.api.spec import SpecModel
+from coserve.api.spec import SpecModel, WorkloadSpec
 from coserve.api.status import Bottleneck, Plan, PlanUtilization
+from coserve.provisioning.decoders import DecoderLoad, decoder_loads, later_turn_context_tokens
 from coserve.provisioning.profile import ResolvedProfile
 
 __all__ = ["MAX_REPLICAS_PER_ROLE", "Capacities", "make_plan"]
@@ -72,23 +77,25 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
     workload = spec.workload
     rate = workload.arrival_rate_per_s
     input_tokens = workload.input_tokens
-    output_tokens = workload.output_tokens
-    lifetime_s = workload.lifetime_s
-    decode_tps = profile.decode_throughput_tokens_per_s
 
-    prefill_latency_s = profile.prefill_latency.latency_s(input_tokens)
+    spread = workload.input_tokens_std_dev
+    # the mean of latency(L) over the prompts: the curve at the mean plus its quadratic term times the variance
+    prefill_latency_s = profile.prefill_latency.latency_s(input_tokens) + (
+        profile.prefill_latency.per_token_squared_s * spread**2
+    )
     prefill_tps = input_tokens / prefill_latency_s
     saturation_rate = prefill_tps / input_tokens
-    kv_slots = profile.kv_capacity_tokens // profile.live_context_tokens
+    kept, evicted = decoder_loads(workload, profile)
+    # NOTE: both needs are linear in the rate, so the cheaper assumption about idle KV is the same at any rate
+    load = evicted if evicted.per_rate < kept.per_rate else kept
 
     prefillers = max(1, _ceil(rate / saturation_rate))
     pool_saturation = prefillers * saturation_rate
     design_rate = min(pool_saturation, spec.headroom * rate)
-    throughput_need = design_rate * output_tokens / decode_tps
-    memory_need = design_rate * lifetime_s / kv_slots
+    throughput_need = design_rate * load.work_s
+    memory_need = design_rate * load.slot_s
     binding = Bottleneck.DECODER_THROUGHPUT if throughput_need >= memory_need else Bottleneck.DECODER_MEMORY
     decoders = max(1, _ceil(spec.headroom * max(throughput_need, memory_need)))
-    per_prefiller = max(saturation_rate * output_tokens / decode_tps, saturation_rate * lifetime_s / kv_slots)
 
     warnings: list[str] = []
     autoscaling = spec.autoscaling
@@ -103,8 +110,8 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
 
     capacities = Capacities(
         prefiller_per_s=pool_saturation,
-        decoder_throughput_per_s=decoders * decode_tps / output_tokens,
-        decoder_memory_per_s=decoders * kv_slots / lifetime_s,
+        decoder_throughput_per_s=decoders / load.work_s,
+        decoder_memory_per_s=decoders / load.slot_s if load.slot_s > 0 else math.inf,
     )
     bottleneck = capacities.first_bottleneck()
     if bottleneck is not Bottleneck.PREFILLER:
@@ -116,27 +123,35 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
         )
     utilization = PlanUtilization(
         prefiller=rate / pool_saturation,
-        decoder_throughput=rate * output_tokens / (decoders * decode_tps),
-        decoder_memory=rate * lifetime_s / (decoders * kv_slots),
+        decoder_throughput=rate * load.work_s / decoders,
+        decoder_memory=rate * load.slot_s / decoders,
     )
     explanation = [
         f"prefill latency at L_in={input_tokens} tokens is {prefill_latency_s:.4g} s "
-        f"(profile.prefillLatency, {profile.source}), so one prefiller processes "
+        + (
+            f"(the mean over prompts of σ={spread:,.0f} tokens: latency(L_in) + perTokenSquaredS·σ²; "
+            if spread > 0
+            else "("
+        )
+        + f"profile.prefillLatency, {profile.source}), so one prefiller processes "
         f"T_p = {input_tokens} / {prefill_latency_s:.4g} = {prefill_tps:,.0f} tokens/s",
         f"one prefiller saturates at R* = T_p / L_in = {_rate(saturation_rate)} conversations/s",
         f"prefillers M = ceil(R / R*) = ceil({_rate(rate)} / {_rate(saturation_rate)}) = {prefillers}"
         f", saturating at M·R* = {_rate(pool_saturation)} conversations/s",
         f"one decoder holds B = floor({profile.kv_capacity_tokens} KV tokens / {profile.live_context_tokens} "
-        f"live tokens per conversation) = {kv_slots} conversations",
+        f"live tokens per conversation) = {load.kv_slots} conversations",
         f"decoders are sized for min(M·R*, headroom·R) = min({_rate(pool_saturation)}, "
         f"{spec.headroom:g}·{_rate(rate)}) = {_rate(design_rate)} conversations/s",
         *([profile.decode_basis] if profile.decode_basis else []),
-        f"throughput needs R·L_d / T_d = {_rate(design_rate)}·{output_tokens} / {decode_tps:g} = "
-        f"{throughput_need:.3f} decoders; memory needs R·W / B = {_rate(design_rate)}·{lifetime_s:g} / "
-        f"{kv_slots} = {memory_need:.3f} decoders; {binding.value} binds",
+        *explain_decoder_work(workload, profile, kept, evicted, load),
+        f"throughput needs R·(L_d + w·A) / T_d = {_rate(design_rate)}·({workload.output_tokens} + "
+        f"{load.weight(profile.decode_throughput_tokens_per_s):.3g}·{load.prefill_tokens:,.0f}) / "
+        f"{profile.decode_throughput_tokens_per_s:g} = {throughput_need:.3f} decoders; memory needs R·W_kv / B = "
+        f"{_rate(design_rate)}·{load.kv_held_s:.4g} / {load.kv_slots} = {memory_need:.3f} decoders; "
+        f"{binding.value} binds",
         f"decoders N = ceil(headroom · {max(throughput_need, memory_need):.3f}) = "
         f"ceil({spec.headroom:g} · {max(throughput_need, memory_need):.3f}) = {decoders}"
-        f" ({per_prefiller:.3f} decoders per saturated prefiller before headroom)",
+        f" ({saturation_rate * load.per_rate:.3f} decoders per saturated prefiller before headroom)",
         f"as load rises, {bottleneck.value} saturates first: prefillers at {_rate(capacities.prefiller_per_s)}, "
         f"decoder throughput at {_rate(capacities.decoder_throughput_per_s)}, decoder memory at "
         f"{_rate(capacities.decoder_memory_per_s)} conversations/s",
@@ -148,14 +163,48 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
         saturation_rate_per_s=saturation_rate,
         pool_saturation_rate_per_s=pool_saturation,
         design_rate_per_s=design_rate,
-        kv_slots_per_decoder=kv_slots,
-        decoders_per_prefiller=per_prefiller,
+        kv_slots_per_decoder=load.kv_slots,
+        decoders_per_prefiller=saturation_rate * load.per_rate,
+        decoder_prefill_tokens=load.prefill_tokens,
+        prefill_weight=load.weight(profile.decode_throughput_tokens_per_s),
+        kv_held_s=load.kv_held_s,
+        idle_kv=load.idle_kv,
         binding_constraint=binding,
         bottleneck=bottleneck,
         utilization=utilization,
         explanation=explanation,
         warnings=warnings,
     )
+
+
+def explain_decoder_work(
+    workload: WorkloadSpec, profile: ResolvedProfile, kept: DecoderLoad, evicted: DecoderLoad, chosen: DecoderLoad
+) -> list[str]:
+    """The explanation's lines for A, w and the idle-KV choice; none for single-turn conversations."""
+    later = workload.turns - 1
+    if later <= 0:
+        return []
+    decode_tps = profile.decode_throughput_tokens_per_s
+    context = later_turn_context_tokens(workload)
+    basis = (
+        "profile.costModel: k1·a + k2·a·(a + c) + k4·(a + c) for a tokens over c of context, the step's k5 "
+        "paid by the decode batch the chunk rides in"
+        if profile.cost_model is not None
+        else "profile.prefillLatency: latency(c + a) - latency(c) for a tokens over c of context"
+    )
+    lines = [
+        f"every later turn runs on the conversation's decoder, which prefills what it appends: "
+        f"A = (n - 1)·a = {later:.3g}·{workload.appended_tokens} = {kept.prefill_tokens:,.0f} tokens per "
+        f"conversation over a mean context of c = {context:,.0f} tokens; one costs "
+        f"w = T_d·prefill(a over c)/a = {kept.weight(decode_tps):.3g} decode tokens ({basis})",
+        f"vLLM keeps KV for running requests only: an idle conversation's KV is prefix cache until newer work "
+        f"evicts it. Kept (N·B >= R·W, W = {workload.lifetime_s:.4g} s): {kept.work_s:.4g} s of decoder work "
+        f"and {kept.slot_s:.4g} decoder-s of KV per conversation. Evicted (N·B >= R·W_run, W_run = W - (n - 1)·g "
+        f"= {workload.lifetime_s:.4g} - {later:.3g}·{workload.idle_s:.4g} = {evicted.kv_held_s:.4g} s; every "
+        f"later turn recomputes its c + a tokens, w = {evicted.weight(decode_tps):.3g}): {evicted.work_s:.4g} s "
+        f"of work and {evicted.slot_s:.4g} decoder-s of KV; {chosen.idle_kv.value} needs fewer decoders",
+    ]
+    return lines
 
 
 def _ceil(value: float) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from coserve.api.problems import InvalidInput, Problem
@@ -9,7 +10,7 @@ from coserve.api.profile import EngineProfile
 from coserve.api.spec import PrefillLatencyCurve, SpecModel
 from coserve.scheduling.cost_model import StepCostModel
 
-__all__ = ["ResolvedProfile", "resolve_profile"]
+__all__ = ["ResolvedProfile", "final_context_tokens", "resolve_profile"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,33 @@ class ResolvedProfile:
     live_context_tokens: int
     source: str
     decode_basis: str = ""  # how T_d was derived when it came from the cost model; empty when it was given
+    cost_model: StepCostModel | None = None  # the measured profile's step cost model, when it has one
+
+    def spread_s(self, variance_tokens2: float) -> float:
+        """What a spread of prompt lengths adds to the mean prefill: the quadratic term times the variance
+        (E[L²] = mean² + σ²), k2·σ² with a cost model, perTokenSquaredS·σ² without."""
+        quadratic = self.cost_model.k2 if self.cost_model is not None else self.prefill_latency.per_token_squared_s
+        return max(quadratic, 0.0) * variance_tokens2
+
+    def prefill_s(self, new_tokens: float, context_tokens: float) -> float:
+        """Seconds a decoder spends prefilling ``new_tokens`` over ``context_tokens`` it already holds.
+
+        With a cost model: k1·a + k2·a·(a + c) + k4·(a + c), the step's fixed k5 left out because the chunk
+        rides in a step the decoder runs anyway for its decode batch. Without one: the prefill latency curve's
+        increment latency(c + a) - latency(c), which drops the constant for the same reason (and, as the
+        curve is fitted on whole prompts, charges each new token twice the attention to the context that
+        the per-request cost model does: an upper bound).
+        """
+        if new_tokens <= 0:
+            return 0.0
+        model = self.cost_model
+        if model is not None:
+            total = new_tokens + context_tokens
+            seconds = (model.k1 + model.k3) * new_tokens + model.k2 * new_tokens * total + model.k4 * total
+        else:
+            curve = self.prefill_latency
+            seconds = curve.latency_s(context_tokens + new_tokens) - curve.latency_s(context_tokens)
+        return max(seconds, 0.0)
 
 
 def resolve_profile(spec: SpecModel, measured: EngineProfile | None = None) -> ResolvedProfile:
@@ -66,9 +94,10 @@ def resolve_profile(spec: SpecModel, measured: EngineProfile | None = None) -> R
     if live is None and measured is not None:
         live = measured.live_context_tokens
     if live is None:
-        live = spec.workload.input_tokens + spec.workload.output_tokens
-    cost_model = _cost_model(measured) if inline.decode_throughput_tokens_per_s is None else None
-    derived = _decode_from_cost_model(cost_model, kv // live, live) if cost_model and isinstance(kv, int) else None
+        live = final_context_tokens(spec)
+    cost_model = _cost_model(measured)
+    priced = cost_model if inline.decode_throughput_tokens_per_s is None else None
+    derived = _decode_from_cost_model(priced, kv // live, live) if priced and isinstance(kv, int) else None
     decode_basis = ""
     decode: object
     if derived is not None:
@@ -82,7 +111,15 @@ def resolve_profile(spec: SpecModel, measured: EngineProfile | None = None) -> R
         raise TypeError("spec.profile fields have unexpected types")  # unreachable after validation
     origin = f"ConfigMap {ref.name}" if ref is not None else "the --profile file"
     source = f"{', '.join(taken)} from {origin}, the rest from spec.profile" if taken else "spec.profile"
-    return ResolvedProfile(curve, decode, kv, live, source, decode_basis)
+    return ResolvedProfile(curve, decode, kv, live, source, decode_basis, cost_model)
+
+
+def final_context_tokens(spec: SpecModel) -> int:
+    """A conversation's whole context at its last token: L_in + L_d + (n - 1)·a, the most KV a running turn of
+    it reserves (``spec.profile.liveContextTokens``' default)."""
+    workload = spec.workload
+    appended = (workload.turns - 1) * workload.appended_tokens
+    return workload.input_tokens + workload.output_tokens + math.ceil(appended)
 
 
 def _cost_model(measured: EngineProfile | None) -> StepCostModel | None:

@@ -43,6 +43,17 @@ def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
             )
         )
 
+    idle_total_s = (workload.turns - 1) * workload.idle_s
+    if idle_total_s >= workload.lifetime_s:
+        problems.append(
+            Problem(
+                "spec.workload.idleS",
+                f"(turns - 1)·idleS = {workload.turns - 1:g}·{workload.idle_s:g} = {idle_total_s:g} s is not below "
+                f"lifetimeS {workload.lifetime_s:g} s: a conversation's idle time between turns is part of its "
+                "lifetime, and it must run for some of it",
+            )
+        )
+
     names = [c.name for c in spec.priority_classes]
     for index, name in enumerate(names):
         if name in names[:index]:
