@@ -10,8 +10,9 @@ Rules, in order:
 
 1. **Proactive.** The provisioning model is re-run with the measured workload
    (R times ``rate_headroom``, for the rate's rise while new replicas start;
-   L_in, L_d, W; any the router has no sample of yet falls back to
-   ``spec.workload``): its prefillers and decoders (with the spec's headroom)
+   L_in, L_d, W; turns, appended tokens and the decoders' running time per
+   conversation, whose difference from W is the idle time between turns; any
+   not measured falls back to ``spec.workload``): its prefillers and decoders (with the spec's headroom)
    are the recommendation. When the prefillers are busy (a queue) and process
    fewer tokens per replica than the profile's T_p, the measured T_p sizes the
    prefillers instead. No arrivals at all recommends each role's minimum.
@@ -44,7 +45,7 @@ from coserve.provisioning import plan_for
 
 if TYPE_CHECKING:
     from coserve.api.profile import EngineProfile
-    from coserve.api.spec import SpecModel
+    from coserve.api.spec import SpecModel, WorkloadSpec
 
 __all__ = ["Decision", "Recommendation", "Replicas", "Signals", "Thresholds", "decide", "thresholds_for"]
 
@@ -61,6 +62,9 @@ class Signals:
     prefiller_queue: float | None = None  # mean requests waiting per prefiller
     decoder_kv_usage: float | None = None  # mean vllm:kv_cache_usage_perc over decoders (0..1)
     decoder_waiting: float | None = None  # requests waiting on decoders, summed
+    turns: float | None = None  # n, mean requests per conversation
+    appended_tokens: float | None = None  # a, mean tokens a later turn's decoder prefills
+    decoder_run_s: float | None = None  # seconds a conversation's requests run on decoders (W less its idle time)
 
 
 @dataclass(frozen=True)
@@ -131,20 +135,17 @@ def _proactive(
     if measured_rate <= 0:
         return thresholds.min_replicas, "no conversations arriving: each role's minimum"
     rate = measured_rate * thresholds.rate_headroom
-    workload = spec.workload
-    measured = workload.model_copy(
-        update={
-            "arrival_rate_per_s": rate,
-            "input_tokens": max(1, round(signals.input_tokens)) if signals.input_tokens else workload.input_tokens,
-            "output_tokens": max(1, round(signals.output_tokens)) if signals.output_tokens else workload.output_tokens,
-            "lifetime_s": signals.lifetime_s if signals.lifetime_s else workload.lifetime_s,
-        }
-    )
+    measured = _measured_workload(spec, signals, rate)
     plan = plan_for(spec.model_copy(update={"workload": measured}), profile)
     why = (
         f"the model at R={measured_rate:.3g}/s (x{thresholds.rate_headroom:g} headroom), L_in={measured.input_tokens}, "
-        f"L_d={measured.output_tokens}, W={measured.lifetime_s:.3g}s wants {plan.prefillers} prefillers and "
-        f"{plan.decoders} decoders"
+        f"L_d={measured.output_tokens}, W={measured.lifetime_s:.3g}s"
+        + (
+            f", n={measured.turns:.3g} turns, a={measured.appended_tokens}, g={measured.idle_s:.3g}s"
+            if measured.turns > 1
+            else ""
+        )
+        + f" wants {plan.prefillers} prefillers and {plan.decoders} decoders"
     )
     prefillers = plan.prefillers
     # NOTE: prefillers with a queue are busy all the time, so their token rate is their real T_p; a profile
@@ -159,6 +160,34 @@ def _proactive(
                 f"{plan.prefill_throughput_tokens_per_s:,.0f}: {prefillers} prefillers"
             )
     return Replicas(prefillers, plan.decoders), why
+
+
+def _measured_workload(spec: SpecModel, signals: Signals, rate: float) -> WorkloadSpec:
+    """``spec.workload`` with what was measured in its place (a missing sample keeps the spec's number).
+
+    The idle time between turns is what the lifetime has beyond the decoders' running time, per gap:
+    g = (W - W_run) / (n - 1); it stays below W / (n - 1), as the model requires.
+    """
+    workload = spec.workload
+    lifetime_s = signals.lifetime_s if signals.lifetime_s else workload.lifetime_s
+    turns = max(1.0, signals.turns) if signals.turns else workload.turns
+    appended = max(0, round(signals.appended_tokens)) if signals.appended_tokens is not None else None
+    idle_s = workload.idle_s
+    if turns > 1 and signals.decoder_run_s is not None:
+        idle_s = max(0.0, lifetime_s - signals.decoder_run_s) / (turns - 1)
+    if turns > 1:
+        idle_s = min(idle_s, 0.99 * lifetime_s / (turns - 1))
+    return workload.model_copy(
+        update={
+            "arrival_rate_per_s": rate,
+            "input_tokens": max(1, round(signals.input_tokens)) if signals.input_tokens else workload.input_tokens,
+            "output_tokens": max(1, round(signals.output_tokens)) if signals.output_tokens else workload.output_tokens,
+            "lifetime_s": lifetime_s,
+            "turns": turns,
+            "appended_tokens": appended if appended is not None else workload.appended_tokens,
+            "idle_s": idle_s,
+        }
+    )
 
 
 def decide(
