@@ -46,7 +46,7 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "ttfet_at_scale": ("benchmarks/simulator_at_scale.py",),
     "goroute_at_scale": ("benchmarks/simulator_at_scale.py",),
     "harvest_at_scale": ("benchmarks/simulator_at_scale.py",),
-    "plan_check": ("benchmarks/simulator_at_scale.py",),
+    "plan_check": ("benchmarks/plan_check.py",),
     "simulator_speed": ("benchmarks/simulator_at_scale.py",),
     # the GPU check's results (``*_cuda.json``) measure the GPU path as well
     "preemption_latency_cuda": (*ENGINE, *GPU, "benchmarks/preemption.py"),
