@@ -128,7 +128,7 @@ from _harness import RESULTS, TRACES, TraceRow, load_trace, say, trace_label, wr
 from coserve.api.parse import parse_pool
 from coserve.api.profile import EngineProfile
 from coserve.api.spec import SpecModel
-from coserve.autoscaling.policy import Replicas, Thresholds
+from coserve.autoscaling.policy import Decision, Replicas, Thresholds
 from coserve.bench.workload import Conversation, Turn
 from coserve.provisioning import plan_for
 from coserve.scheduling import ClassRegistry, RequestClass, SlideConfig, StepCostModel, slo_attained
@@ -320,6 +320,7 @@ class Run:
     span_s: int = 0  # seconds with arrivals (replica-hours are counted over these)
     ttft_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    steps: list[dict[str, Any]] = field(default_factory=list)  # coserve's replica changes and their drivers
 
 
 def request_class(spec: SpecModel) -> RequestClass:
@@ -452,12 +453,46 @@ def run_one(
     """One autoscaled run (a process-pool job): coserve's scaler, or the rule at (decoder, prefiller) targets."""
     spec = parse_pool(pool).spec
     if targets is None:
-        run = simulate("coserve", spec, arrivals, coserve_scaler(spec, thresholds, engine_profile(WORLD)), args)
+        decisions: list[tuple[float, Decision]] = []
+        scaler = coserve_scaler(spec, thresholds, engine_profile(WORLD), decisions)
+        seen: list[Replicas] = []  # the replicas each recorded decision started from
+
+        def recorded(now_s: float, current: Replicas, observed: Observation) -> Replicas:
+            count = len(decisions)
+            wanted = scaler(now_s, current, observed)
+            seen.extend([current] * (len(decisions) - count))  # none when the model rejected the workload
+            return wanted
+
+        run = simulate("coserve", spec, arrivals, recorded, args)
+        run.steps = scaling_steps(decisions, seen)
     else:
         run = simulate("threshold", spec, arrivals, threshold_scaler(thresholds, *targets), args)
     name = "coserve" if targets is None else f"rule d{targets[0]:g}/p{targets[1]:g}"
     say(f"{arrivals.label}: {name} simulated in {run.wall_s:.0f} s")
     return run
+
+
+# A phrase of decide()'s reasons -> the rule it names; a role that went up with none of its phrases present
+# went up on the model's re-plan from the measured workload.
+DRIVERS = {
+    "prefillers": (("busy prefillers measure T_p", "measured T_p"), ("prefiller queue", "prefiller queue guard")),
+    "decoders": (("decoder KV occupancy", "KV guard"),),
+}
+
+
+def scaling_steps(decisions: Sequence[tuple[float, Decision]], seen: Sequence[Replicas]) -> list[dict[str, Any]]:
+    """Each change of a role's replicas that coserve decided and what drove it: up, the model's re-plan or
+    the guards named in the decision's reasons; down, the stabilization window."""
+    steps = []
+    for (at_s, decision), current in zip(decisions, seen, strict=True):
+        for role in ("prefillers", "decoders"):
+            before, after = getattr(current, role), getattr(decision.replicas, role)
+            if after == before:
+                continue
+            fired = [name for phrase, name in DRIVERS[role] if phrase in decision.reason]
+            drivers = ["stabilization window"] if after < before else fired or ["model re-plan"]
+            steps.append({"at_s": at_s, "role": role, "from": before, "to": after, "drivers": drivers})
+    return steps
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -484,7 +519,16 @@ def summarize(run: Run) -> dict[str, Any]:
         "max_replicas": {"prefillers": max(p for p, _ in run.replicas), "decoders": max(d for _, d in run.replicas)},
         "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else math.nan,
         "ttft_p99_s": ttfts[int(0.99 * (len(ttfts) - 1))] if ttfts else math.nan,
-    }
+    } | (_drivers(run.steps) if run.steps else {})
+
+
+def _drivers(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """coserve's steps, and per role how many went up on each driver (a step with two counts for both)."""
+    counts: dict[str, dict[str, int]] = {"prefillers": {}, "decoders": {}}
+    for step in steps:
+        for driver in step["drivers"]:
+            counts[step["role"]][driver] = counts[step["role"]].get(driver, 0) + 1
+    return {"scaling_drivers": counts, "scaling_steps": list(steps)}
 
 
 def load_steps(arrived: Sequence[float], smooth_s: int = 120, tolerance: float = 0.1) -> int:
@@ -810,6 +854,9 @@ def print_table(results: Sequence[dict[str, Any]]) -> None:
         )
         at_minutes = result["frontier_replica_hours_at_coserve_minutes"]
         print(f"the rule's frontier: {frontier}")
+        for role, counts in ours.get("scaling_drivers", {}).items():
+            named = ", ".join(f"{driver} {count}" for driver, count in counts.items()) or "none"
+            print(f"coserve's {role} steps by driver: {named}")
         print(
             f"at coserve's {ours['replica_hours']:.2f} replica-h the frontier has "
             f"{result['frontier_minutes_at_coserve_replica_hours']:.2f} violation minutes (coserve "

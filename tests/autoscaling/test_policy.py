@@ -203,3 +203,36 @@ def test_busy_prefillers_slower_than_the_profile_size_the_prefillers(
     decision = run(signals, Replicas(2, 6))
     expected = planned(10.0).prefillers if prefillers is None else prefillers
     assert decision.recommended.prefillers == expected
+
+
+@pytest.mark.parametrize(
+    ("rate", "current", "after"),
+    [
+        (4.9, Replicas(1, 3), Replicas(1, 3)),  # 2 prefillers and 5 decoders wanted, 3 % past one prefiller's R*
+        (5.5, Replicas(1, 3), Replicas(2, 5)),  # 16 % past it: up at once
+        (6.0, Replicas(2, 5), Replicas(2, 5)),  # 6 decoders wanted, within 10 % of the decoders' need
+        # a third prefiller 5 % past two's R*: held, and so are the decoders sized for its saturation rate
+        (10.0, Replicas(2, 5), Replicas(2, 5)),
+        (11.0, Replicas(2, 5), Replicas(3, 9)),
+    ],
+)
+def test_the_model_adds_a_replica_only_for_more_than_the_up_tolerance_of_its_need(
+    rate: float, current: Replicas, after: Replicas
+) -> None:
+    decision = run(Signals(arrival_rate_per_s=rate), current)
+    assert decision.recommended == planned(rate)  # the model's own number, as status shows it
+    assert decision.replicas == after
+    held = [role for role in ("prefillers", "decoders") if getattr(after, role) < getattr(planned(rate), role)]
+    for role in held:
+        assert f"{role} held at {getattr(current, role)}: " in decision.reason
+        assert "within 10% of the need" in decision.reason
+
+
+def test_the_guards_and_a_zero_up_tolerance_still_add_at_once() -> None:
+    hovering = Signals(arrival_rate_per_s=4.9, prefiller_queue=6.0, decoder_kv_usage=0.9)
+    guarded = run(hovering, Replicas(1, 3), last_prefiller_queue=2.0, kv_high_evaluations=1)
+    assert guarded.replicas == Replicas(2, 5)
+    eager = decide(
+        SPEC, Signals(arrival_rate_per_s=4.9), Replicas(1, 3), 0.0, thresholds=replace(LIMITS, up_tolerance=0)
+    )
+    assert eager.replicas == Replicas(2, 5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -114,3 +115,33 @@ def test_a_points_own_replica_hours_read_its_minutes_exactly(world: ModuleType) 
     verdict = world.against_frontier(frontier, 4.558180784095902, 0.0)
     assert verdict["tie_at_zero_minutes"]
     assert verdict["beats_frontier"]  # at the frontier's own cost
+
+
+def decision(world: ModuleType, replicas: tuple[int, int], reasons: tuple[str, ...]) -> Any:
+    chosen = world.Replicas(*replicas)
+    return world.Decision(chosen, chosen, reasons, (), 0, None)
+
+
+def test_each_step_of_coserve_is_put_down_to_what_its_decision_names(world: ModuleType) -> None:
+    both_guards = ("the model", "decoder KV occupancy 90% stayed >= 85%", "prefiller queue 5.0 per replica >= 4")
+    decisions = [
+        (120.0, decision(world, (3, 2), ("the model ... wants 3 prefillers and 2 decoders",))),
+        (135.0, decision(world, (4, 3), ("the model", "busy prefillers measure T_p = 8,000 tokens/s", "x"))),
+        (150.0, decision(world, (5, 4), both_guards)),
+        (165.0, decision(world, (4, 4), ("the model", "prefillers 5 -> 4: low for 300s"))),
+    ]
+    seen = [world.Replicas(2, 2), world.Replicas(3, 2), world.Replicas(4, 3), world.Replicas(5, 4)]
+    steps = world.scaling_steps(decisions, seen)
+    assert [(s["at_s"], s["role"], s["from"], s["to"], s["drivers"]) for s in steps] == [
+        (120.0, "prefillers", 2, 3, ["model re-plan"]),
+        (135.0, "prefillers", 3, 4, ["measured T_p"]),
+        (135.0, "decoders", 2, 3, ["model re-plan"]),
+        (150.0, "prefillers", 4, 5, ["prefiller queue guard"]),
+        (150.0, "decoders", 3, 4, ["KV guard"]),
+        (165.0, "prefillers", 5, 4, ["stabilization window"]),
+    ]
+    run = world.Run("coserve", replicas=[(1, 1)], arrived=[1], missed=[0], span_s=1, steps=steps)
+    assert world.summarize(run)["scaling_drivers"] == {
+        "prefillers": {"model re-plan": 1, "measured T_p": 1, "prefiller queue guard": 1, "stabilization window": 1},
+        "decoders": {"model re-plan": 1, "KV guard": 1},
+    }

@@ -23,11 +23,14 @@ Rules, in order:
    the last evaluation, at least ``current + step``. The guard catches what the
    model misses (a profile slower than measured, a burst inside the rate window).
 3. **Bounds.** Each role within its ``[minReplicas, maxReplicas]``.
-4. **Stability.** Scale up at once. Scale down only to the highest
-   recommendation of the last ``stabilization_window_s`` (so load must stay low
-   for the whole window), only when that is more than ``down_tolerance`` (10 %)
-   below current, and by at most a quarter of current (at least one) per
-   evaluation. Load hovering at a boundary keeps the higher count.
+4. **Stability.** Scale up at once, unless only the model asks and the
+   current replicas cover its need within ``up_tolerance`` (10 %): the same
+   model with both margins (``rate_headroom``, the spec's headroom) that much
+   smaller wants no more. Scale down only to the highest recommendation of the
+   last ``stabilization_window_s`` (so load must stay low for the whole
+   window), only when that is more than ``down_tolerance`` (10 %) below
+   current, and by at most a quarter of current (at least one) per evaluation.
+   Load hovering at a boundary keeps the count it has, in either direction.
 
 Missing data is never read as low load: the caller holds replicas where they
 are (``hold``) when Prometheus cannot be read or has no arrival rate.
@@ -94,6 +97,7 @@ class Thresholds:
     down_step_fraction: float = 0.25
     rate_headroom: float = 1.2  # the model runs at this multiple of the measured rate
     down_tolerance: float = 0.1  # a role scales down only when the recommendation is this fraction below it
+    up_tolerance: float = 0.1  # the model adds a replica only when its need is more than this fraction above it
 
 
 def thresholds_for(spec: SpecModel) -> Thresholds:
@@ -207,17 +211,20 @@ def decide(
     limits = thresholds or Thresholds()
     recommended, why = _proactive(spec, profile, signals, limits, current)
     reasons = [why]
+    tolerated = _covered_within_tolerance(spec, profile, signals, limits, current, recommended)
 
     kv_high = kv_high_evaluations + 1 if (signals.decoder_kv_usage or 0.0) >= limits.kv_usage_high else 0
     if kv_high >= 2:
         more = current.decoders + _step(current.decoders, 0.25)
         recommended = replace(recommended, decoders=max(recommended.decoders, more))
+        tolerated.discard("decoders")
         reasons.append(f"decoder KV occupancy {signals.decoder_kv_usage:.0%} stayed >= {limits.kv_usage_high:.0%}")
     queue = signals.prefiller_queue
     grew = queue is not None and last_prefiller_queue is not None and queue > last_prefiller_queue
     if queue is not None and queue >= limits.queue_high and grew:
         more = current.prefillers + _step(current.prefillers, 0.25)
         recommended = replace(recommended, prefillers=max(recommended.prefillers, more))
+        tolerated.discard("prefillers")
         reasons.append(f"prefiller queue {queue:.1f} per replica >= {limits.queue_high:g} and growing")
 
     recommended = _bounded(recommended, limits)
@@ -230,6 +237,10 @@ def decide(
     chosen = {}
     for role in ("prefillers", "decoders"):
         have, want = getattr(current, role), getattr(recommended, role)
+        if want > have and role in tolerated:
+            chosen[role] = have
+            reasons.append(f"{role} held at {have}: {want} recommended is within {limits.up_tolerance:.0%} of the need")
+            continue
         if want >= have:
             chosen[role] = want
             if want > have:
@@ -248,6 +259,39 @@ def decide(
     final = _bounded(Replicas(chosen["prefillers"], chosen["decoders"]), limits)
     return Decision(final, recommended, tuple(reasons), _prune(history, now, limits.stabilization_window_s), kv_high,
                     queue)  # fmt: skip
+
+
+def _covered_within_tolerance(
+    spec: SpecModel,
+    profile: EngineProfile | None,
+    signals: Signals,
+    limits: Thresholds,
+    current: Replicas,
+    recommended: Replicas,
+) -> set[str]:
+    """The roles the model would add replicas to only for the last ``up_tolerance`` of its need (rule 4
+    holds them where they are, unless a guard fires).
+
+    The same model with both its margins (``rate_headroom`` on the rate, the spec's ``headroom`` on the
+    decoders) ``up_tolerance`` smaller says whether the current replicas cover the need within that
+    tolerance.
+
+    NOTE: measured numbers hovering at a replica boundary (the rate; or L_d and T_d, for decoders sized at
+    the prefillers' saturation rate) would otherwise add a replica at their first upward flicker and, by
+    the stabilization window, hold it for a whole window.
+    """
+    rising = {role for role in ("prefillers", "decoders") if getattr(recommended, role) > getattr(current, role)}
+    if limits.up_tolerance <= 0 or not rising:
+        return set()
+    shrink = 1 + limits.up_tolerance
+    smaller = replace(limits, rate_headroom=limits.rate_headroom / shrink)
+    # the spec's schema keeps headroom >= 1; below that, the smaller rate margin alone is the tolerance
+    humbler = spec.model_copy(update={"headroom": max(1.0, spec.headroom / shrink)})
+    try:
+        lower, _ = _proactive(humbler, profile, signals, smaller, current)
+    except InvalidInput:
+        return set()  # no tolerance where the smaller need cannot be planned: up at once
+    return {role for role in rising if getattr(lower, role) <= getattr(current, role)}
 
 
 def _bounded(replicas: Replicas, limits: Thresholds) -> Replicas:
