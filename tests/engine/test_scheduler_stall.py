@@ -117,3 +117,23 @@ def test_after_a_step_that_ran_nothing_the_held_requests_run_and_the_urgent_one_
     # it starts once an offline request has finished and freed the KV it needed
     assert {"offline-0", "offline-1"} - set(scheduler.requests)
     assert step["urgent"] == STEP_TOKENS
+
+
+def test_a_new_request_beside_running_decodes_gets_its_allowance_not_one_token(tiny_model: Path) -> None:
+    """vLLM caps every prefill chunk at one threshold: it must come from the prefills' allowances, not the decodes'.
+
+    With only decodes running, their allowance of 1 token once capped a new request's first chunk at 1 token,
+    so every request under load lost a step before its prefill began (and vLLM started every waiting request
+    the budget had room for, at one token each).
+    """
+    scheduler = make_scheduler(tiny_model)
+    for index in range(3):
+        scheduler.add_request(
+            make_request(f"decode-{index}", 32, "standard", max_tokens=40, first_token=1 + 32 * index)
+        )
+    while len(scheduler.running) < 3 or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        run_step(scheduler)
+    scheduler.add_request(make_request("new", 120, "standard", max_tokens=4, first_token=300))
+    step = run_step(scheduler)
+    assert all(step[f"decode-{index}"] == 1 for index in range(3))
+    assert step.get("new", 0) > 1, f"the new request's first chunk was {step.get('new', 0)} tokens"

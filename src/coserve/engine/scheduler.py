@@ -6,10 +6,12 @@ Start vLLM with ``--scheduler-cls coserve.engine.scheduler.TDGScheduler``
 1. converts vLLM's running and waiting requests into ``SchedRequest`` values;
 2. asks ``SlideBatching.decide`` for an order, a selection and a token budget;
 3. reorders vLLM's running list and waiting queue accordingly, sets aside the
-   running requests that were not selected, lowers the step's token budget,
-   and calls vLLM's ``Scheduler.schedule``, which does all block accounting,
-   prefix caching, chunking and preemption exactly as it always does;
-4. puts the set-aside requests back (they keep their KV and slots);
+   running requests that were not selected and the waiting ones given no
+   tokens, caps prefill chunks at the largest allowance a prefill got, lowers
+   the step's token budget, and calls vLLM's ``Scheduler.schedule``, which does
+   all block accounting, prefix caching, chunking and preemption exactly as it
+   always does;
+4. puts the set-aside requests back (running ones keep their KV and slots);
 5. posts the step on the safepoint board (``coserve.engine.safepoint``), so an
    urgent arrival can preempt it at the next layer boundary.
 
@@ -25,6 +27,7 @@ Nothing here decides anything: the policy is ``coserve.scheduling``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from coserve.engine.connector import find_connector, find_metadata
 from coserve.engine.safepoint import PostedStep, SafepointBoard
@@ -50,6 +54,9 @@ __all__ = ["TDGScheduler"]
 logger = logging.getLogger("coserve.engine.scheduler")
 
 CONFIG_ENV = "COSERVE_CONFIG"
+# A file to append one JSON line per step to (what ran, what the cost model predicted, how long it took);
+# unset: no trace. The simulator's fidelity benchmark reads it to see where served steps depart from the profile.
+STEP_TRACE_ENV = "COSERVE_STEP_TRACE"
 # After an abandoned step, how long to hold the engine for the arrival that caused it: the abort is
 # raised in the API server before the request is tokenized and sent to the engine core.
 ARRIVAL_WAIT_S = 0.05
@@ -84,6 +91,9 @@ class TDGScheduler(Scheduler):
             self.board = SafepointBoard.create(coserve_connector.board_name)
             coserve_connector.scheduler_board = self.board  # it reads the pause switch once per step
         self._num_layers = self.vllm_config.model_config.get_num_layers(self.vllm_config.parallel_config)
+        trace = os.environ.get(STEP_TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in shutdown
+        self._step_started = 0.0
         logger.info(
             "coserve TDGScheduler: classes %s, max %d tokens/step",
             self.coserve.classes.names,
@@ -97,10 +107,19 @@ class TDGScheduler(Scheduler):
         if request.request_id not in self._request_classes:
             self._request_classes[request.request_id] = self._resolve(request)
             self._num_arrivals += 1
+            if self._trace is not None:
+                # when the engine core got it, and when the API server did (vLLM's arrival_time), wall clock
+                line = {
+                    "arrive": time.time(),
+                    "server_arrival": request.arrival_time,
+                    "prompt": request.num_prompt_tokens,
+                }
+                self._trace.write(json.dumps(line) + "\n")
         super().add_request(request)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         """Called by the engine core once per step (one forward pass)."""
+        self._step_started = time.perf_counter()
         self._forget_finished()
         if self._holding_for_arrival():
             return self._empty_step(throttle_prefills)
@@ -120,17 +139,36 @@ class TDGScheduler(Scheduler):
         self.waiting.extend(waiting)  # type: ignore[attr-defined]
 
         held = [r for r in self.running if r.request_id not in decision.selected_ids]
+        # waiting requests the policy gave no tokens this step; only plain WAITING ones are set aside (a request
+        # waiting for remote KV or a grammar is vLLM's to check every step)
+        parked = [
+            r for r in self.waiting if not decision.allowances.get(r.request_id) and r.status == RequestStatus.WAITING
+        ]
         if self._stalled:
             # NOTE: the last step ran nothing although requests were runnable (vLLM could not start the waiting
             # ones the policy chose, e.g. for want of KV blocks, and the running ones were held); this step
             # holds nothing back, so the engine always makes progress.
-            held = []
+            held, parked = [], []
         if held:
             self.running = [r for r in self.running if r.request_id in decision.selected_ids]
-        # vLLM serves running requests before waiting ones; capping each running request at the largest
-        # allowance the policy gave a running request leaves room for the waiting ones it put first. After a
-        # stalled step the running requests the policy did not select run too, with no allowance of their own.
-        cap = max((decision.allowances.get(r.request_id, 0) for r in self.running), default=0)
+        if parked:
+            # vLLM would start any waiting request the budget has room for, the policy's or not
+            skip = {r.request_id for r in parked}
+            kept = [r for r in self.waiting if r.request_id not in skip]
+            self.waiting.clear()  # type: ignore[attr-defined]
+            self.waiting.extend(kept)  # type: ignore[attr-defined]
+        # vLLM caps every prefill chunk, running or waiting, at one threshold; it is set to the largest allowance
+        # the policy gave a request that still prefills, so each gets up to what the policy gave it (a decode's
+        # allowance of 1 must not cap a new request's first chunk at one token). After a stalled step the running
+        # requests the policy did not select run too, with no allowance of their own.
+        cap = max(
+            (
+                decision.allowances.get(r.request_id, 0)
+                for r in (*self.running, *self.waiting)
+                if r.num_tokens - r.num_computed_tokens > 1  # a prefill, or a preempted request's recompute
+            ),
+            default=0,
+        )
         threshold = self.scheduler_config.long_prefill_token_threshold
         saved = (self.max_num_scheduled_tokens, self.max_num_running_reqs, self.max_num_active_reqs)
         # NOTE: held requests keep their model-runner slots, so the step may admit that many fewer.
@@ -146,6 +184,8 @@ class TDGScheduler(Scheduler):
             self.scheduler_config.long_prefill_token_threshold = threshold
             if held:
                 self.running.extend(held)
+            if parked:
+                self.waiting.extend(parked)  # type: ignore[attr-defined]  # after the ones vLLM left waiting
         self._stalled = output.total_num_scheduled_tokens == 0
         if self._stalled and held:
             logger.warning("coserve: a step held %d running requests and ran nothing; holding none next", len(held))
@@ -160,12 +200,44 @@ class TDGScheduler(Scheduler):
         abandoned = self.board is not None and metadata is not None and self.board.take_abandoned(metadata.step_id)
         if self.board is not None:
             self.board.clear_step()
+        # each request's new tokens over its own context (read before finished requests are freed)
+        pieces = self._pieces(scheduler_output) if self._trace is not None else []
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if abandoned:
             self._roll_back(scheduler_output)
+        if pieces:
+            self._trace_step(pieces, abandoned)
         return outputs
 
+    def _pieces(self, output: SchedulerOutput) -> list[tuple[int, int]]:
+        """(new tokens, cached context) per scheduled request; a request's count already includes this step's."""
+        return [
+            (n, max(self.requests[r].num_computed_tokens - n, 0) if r in self.requests else 0)
+            for r, n in output.num_scheduled_tokens.items()
+        ]
+
+    def _trace_step(self, pieces: list[tuple[int, int]], abandoned: bool) -> None:
+        """One line of the step trace: start and end (perf_counter s), requests, P, C, Σp(p+c), prediction."""
+        if self._trace is None:
+            return
+        line = {
+            "wall": time.time(),
+            "start": self._step_started,
+            "end": time.perf_counter(),
+            "requests": len(pieces),
+            "new": sum(p for p, _ in pieces),
+            "context": sum(c for _, c in pieces),
+            "attention": sum(p * (p + c) for p, c in pieces),
+            "predicted_s": self.coserve.cost_model.step_latency_s(pieces),
+            "waiting": len(self.waiting),
+            "abandoned": abandoned,
+        }
+        self._trace.write(json.dumps(line) + "\n")
+
     def shutdown(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
         super().shutdown()
         if self.board is not None:
             self.board.close()
@@ -199,11 +271,7 @@ class TDGScheduler(Scheduler):
         if not scheduled:
             return
         ranks = [self._class_of(req_id).rank for req_id in scheduled]
-        # each request's new tokens over its own context (the request's count already includes this step's)
-        pieces = [
-            (n, max(self.requests[r].num_computed_tokens - n, 0) if r in self.requests else 0)
-            for r, n in scheduled.items()
-        ]
+        pieces = self._pieces(output)
         predicted_s = self.coserve.cost_model.step_latency_s(pieces)
         self.board.post_step(PostedStep(metadata.step_id, now_s, predicted_s, min(ranks), self._num_layers))
 
