@@ -1,31 +1,18 @@
-"""The simulator-fidelity benchmark's pure parts: how pairs are judged, and that its workloads are the measured ones.
+"""The fidelity ladder's pure parts: how pairs are judged, the figures of a run, the step rung and the twin replay.
 
-No engine and no simulation run here: the pairing arithmetic on hand-made values, the workloads rebuilt from the
-measured results' set-ups (checked against the request counts those results recorded), and the per-class figures
-on hand-made simulated requests.
+No engine runs here: the pairing arithmetic on hand-made values, a run's figures on hand-made token times,
+the step rung on the H200 grid in ``data/gpu`` (the twin's step time is the cost model's per-request form),
+and the engine rung's twin replaying a hand-made run on one simulated engine.
 """
 
 from __future__ import annotations
 
-import inspect
-import itertools
-import json
-import sys
-from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 
-from coserve.scheduling.requests import ClassRegistry
-from coserve.sim import SimRequest
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-RESULTS = BENCHMARKS / "results"
-
-
-def measured(name: str) -> dict[str, Any]:
-    return dict(json.loads((RESULTS / f"{name}.json").read_text()))
+from coserve.scheduling import CostSample, StepCostModel
+from coserve.scheduling.cost_model import hold_out_interior
 
 
 @pytest.mark.parametrize(
@@ -40,127 +27,76 @@ def measured(name: str) -> dict[str, Any]:
         (10.0, None, None, False),  # no simulated value (too few simulated samples)
     ],
 )
-def test_a_pair_is_within_when_its_relative_error_is_at_most_ten_percent(
+def test_a_pair_is_within_when_its_relative_error_is_at_most_its_tolerance(
     fidelity: ModuleType, measured_value: float, simulated: float | None, error: float | None, within: bool
 ) -> None:
-    pair = fidelity.compare("run", "arm", "ttft_p50_s", measured_value, simulated)
+    pair = fidelity.compare("engine", "arm", "ttft_p50_s", measured_value, simulated, 0.10)
     assert pair["relative_error"] == (pytest.approx(error) if error is not None else None)
     assert pair["within"] is within
 
 
 def test_met_needs_pairs_and_every_pair_within(fidelity: ModuleType) -> None:
-    good = fidelity.compare("r", "a", "ttft_p50_s", 1.0, 1.05)
-    bad = fidelity.compare("r", "a", "ttft_p95_s", 1.0, 2.0)
+    good = fidelity.compare("engine", "a", "ttft_p50_s", 1.0, 1.05, 0.10)
+    bad = fidelity.compare("engine", "a", "ttft_p95_s", 1.0, 2.0, 0.10)
     assert fidelity.met([good, good])
     assert not fidelity.met([good, bad])
     assert not fidelity.met([])
 
 
-def test_a_null_measurement_is_skipped_with_its_reason_never_judged(fidelity: ModuleType) -> None:
-    out = fidelity.Comparison([], [], [])
-    mine = {"ttft_p50_s": 0.3, "ttft_p95_s": None, "slo_attainment": None}
-    simulated = {"ttft_p50_s": 0.31, "ttft_p95_s": 0.9, "slo_attainment": 1.0}
-    out.judge("coserving", "online", ("ttft_p50_s", "ttft_p95_s", "slo_attainment"), mine, simulated)
-    assert [p["figure"] for p in out.pairs] == ["ttft_p50_s"]
-    assert out.pairs[0]["within"]
-    assert out.skipped == [
-        {"run": "coserving", "arm": "online", "figure": "ttft_p95_s", "why": "measured null: fewer than 100 samples"},
-        {"run": "coserving", "arm": "online", "figure": "slo_attainment", "why": "measured null"},
-    ]
+def test_unreportable_figures_and_zero_preemptions_are_skipped_with_their_reason(fidelity: ModuleType) -> None:
+    mine = {"ttft_p50_s": 0.3, "ttft_p95_s": None, "tpot_p50_s": 0.1, "tpot_p95_s": None,
+            "output_tokens_per_s": 100.0, "preemptions": 0}  # fmt: skip
+    twin = {"ttft_p50_s": 0.31, "ttft_p95_s": 0.9, "tpot_p50_s": 0.2, "tpot_p95_s": 0.3,
+            "output_tokens_per_s": 95.0, "preemptions": 0}  # fmt: skip
+    pairs, skipped = fidelity.judge("engine", "1x", mine, twin, 0.10)
+    assert [(p["figure"], p["within"]) for p in pairs] == [
+        ("ttft_p50_s", True), ("tpot_p50_s", False), ("output_tokens_per_s", True),
+    ]  # fmt: skip
+    assert [s["figure"] for s in skipped] == ["ttft_p95_s", "tpot_p95_s", "preemptions"]
+    assert skipped[0]["why"] == "measured null: fewer than 100 samples"
+    # preemptions the engine made and the twin did not are a judged pair (the twin never preempts)
+    pairs, _ = fidelity.judge("engine", "1.5x", {**mine, "preemptions": 7}, twin, 0.10)
+    assert pairs[-1]["figure"] == "preemptions" and not pairs[-1]["within"]
 
 
-def test_percentile_figures_are_read_from_their_names(fidelity: ModuleType) -> None:
-    assert fidelity.percentile_figure("ttft_p95_s") == 95
-    assert fidelity.percentile_figure("ttfet_p50_s") == 50
-    assert fidelity.percentile_figure("slo_attainment") is None
+def test_run_figures_time_tokens_from_each_requests_send(fidelity: ModuleType) -> None:
+    arrivals = [0.0] * 60 + [10.0] * 60
+    times = [[1.0, 1.5, 2.0]] * 60 + [[10.5, 11.5]] * 60
+    figures = fidelity.run_figures(arrivals, times)
+    assert figures["ttft_p50_s"] == pytest.approx(0.5, abs=0.5)
+    assert figures["tpot_p95_s"] == pytest.approx(1.0)
+    assert figures["tpot_p50_s"] in (pytest.approx(0.5), pytest.approx(1.0))
+    assert figures["ttft_p95_s"] == pytest.approx(1.0)
+    assert figures["output_tokens_per_s"] == pytest.approx((60 * 3 + 60 * 2) / 11.5)
+    assert fidelity.run_figures([0.0] * 5, [[1.0, 2.0]] * 5)["ttft_p50_s"] is None  # too few for a p50
 
 
-def test_the_ttfet_workload_is_the_measured_runs(fidelity: ModuleType) -> None:
-    setup = measured("ttfet")["setup"]
-    conversations = fidelity.ttfet_conversations(setup)
-    assert len(conversations) == setup["conversations"] == measured("ttfet")["conversation"]["n"]
-    starts = [c.start_s for c in conversations]
-    assert starts[0] == 0.0 and starts == sorted(starts)
-    grown = fidelity.TTFET_ANSWER_TOKENS + setup["appended"]
-    for conversation in conversations:
-        turns = conversation.turns
-        assert [len(t.prompt) for t in turns] == [setup["first"] + i * grown for i in range(setup["turns"])]
-        assert all(t.max_tokens == fidelity.TTFET_ANSWER_TOKENS for t in turns)
-        assert [t.gap_s for t in turns] == [0.0] + [setup["gap"]] * (setup["turns"] - 1)
-        assert all(
-            later.prompt[: len(earlier.prompt)] == earlier.prompt for earlier, later in itertools.pairwise(turns)
-        )
-    # what the rebuild takes from ttfet.py's code rather than its result: answer length, the stand-in answer, engines
-    source = inspect.getsource(sys.modules["ttfet"])
-    assert f'"max_tokens": {fidelity.TTFET_ANSWER_TOKENS}' in source
-    assert f"{fidelity.TTFET_ANSWER_TOKENS} + args.appended" in source
-    assert source.count('("decoder", ') == fidelity.TTFET_DECODERS
+def test_the_step_rung_judges_the_twins_per_request_step_on_held_out_h200_steps(fidelity: ModuleType) -> None:
+    train, holdout = hold_out_interior(fidelity.h200_samples())
+    grid = fidelity.step_grid("H200", train, holdout)
+    assert grid["decode_batches_held_out"] > 0 and grid["holdout"] == len(holdout)
+    assert grid["worst_relative_error"] == max(r["relative_error"] for r in grid["steps"])
+    # the twin's decode batch is B requests of their own context, not one request of the batch's totals
+    model = StepCostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0, k5=0.0)
+    (row,) = fidelity.step_errors(model, [CostSample(4, 400, 1.0, requests=4)])
+    assert row["simulated_s"] == pytest.approx(4 * 1 * (1 + 100))
 
 
-def test_the_single_engine_workloads_have_the_measured_request_counts(fidelity: ModuleType) -> None:
-    priority = measured("priority_scheduling")["workload"]
-    trace = fidelity.load_trace(fidelity.trace_path(priority["trace"]))
-    requests = fidelity.priority_scheduling.workload(
-        trace, priority["rate_per_s"], priority["duration_s"], priority["seed"]
-    )
-    assert len(fidelity.one_turn(requests, "req")) == priority["requests"]
-    coserving = measured("coserving")["workload"]
-    online = fidelity.coserving.online_workload(
-        trace, coserving["online_rate_per_s"], coserving["duration_s"], coserving["seed"]
-    )
-    conversations = fidelity.one_turn(online, "online")
-    assert len(conversations) == coserving["online_requests"]
-    assert [c.start_s for c in conversations] == [r.at_s for r in online]
-    assert all(c.turns[0].arrival_s == c.start_s and len(c.turns) == 1 for c in conversations)
-
-
-def test_the_engines_knobs_are_the_measured_engines(fidelity: ModuleType) -> None:
-    cost = {"k1": 1e-3, "k2": 1e-6, "k3": 0.0, "k4": 1e-5, "k5": 0.02}
-    settings, config = fidelity.coserving_engine(256, cost)
-    engine = fidelity.parse_engine_config(config, settings.max_num_batched_tokens)
-    assert (engine.slide.max_tokens_per_step, engine.offline_class) == (256, "offline")
-    assert engine.classes.get("online").first_token_weight == 20  # the engine's first-token factor, 2
-    priority = fidelity.priority_engine(cost)
-    engine = fidelity.parse_engine_config(priority.engine_config, priority.max_num_batched_tokens)
-    assert engine.slide.max_tokens_per_step == priority.max_num_batched_tokens == 256
-    assert engine.offline_class is None
-    assert fidelity.ttfet_router("request").classes.default.name == "standard"
-
-
-def test_kv_capacity_of_the_bench_model_is_what_its_engines_reported(fidelity: ModuleType) -> None:
-    # the 16-layer, 512-hidden bench model: 8 heads, 4 KV heads of 64; vLLM reported 32,768 tokens in 1 GiB
-    config = {"num_hidden_layers": 16, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4}
-    assert fidelity.kv_bytes_per_token(config) == 32768
-    assert fidelity.KV_CACHE_BYTES // fidelity.kv_bytes_per_token(config) == 32768
-
-
-def test_class_figures_judge_every_request_and_time_only_the_finished(fidelity: ModuleType) -> None:
-    cls = ClassRegistry([{"name": "online", "weight": 10, "ttftSloMs": 1000, "tpotSloMs": 100}]).get("online")
-
-    def request(token_times: list[float], output: int = 3) -> SimRequest:
-        r = SimRequest("r", "c", cls, arrival_s=0.0, prompt_tokens=8, max_output_tokens=output)
-        r.token_times = token_times
-        return r
-
-    on_time = request([0.5, 0.6, 0.7])
-    slow_tail = request([0.5, 1.0, 1.5])  # tokens 1 and 2 miss their deadlines, mean TPOT 0.5 s
-    unfinished = request([0.2])
-    figures = fidelity.class_figures([on_time, slow_tail, unfinished], cls)
-    assert (figures["requests"], figures["n"]) == (3, 2)
-    assert figures["slo_attainment"] == pytest.approx(1 / 3)
-    assert figures["ttft_and_mean_tpot_attainment"] == pytest.approx(1 / 3)
-    assert figures["ttft_p50_s"] is None  # two finished requests support no percentile
-
-
-def test_offline_tokens_count_prompts_once_their_first_token_came(fidelity: ModuleType) -> None:
-    cls = ClassRegistry([{"name": "offline", "weight": 1, "ttftSloMs": 1000, "tpotSloMs": 100}]).get("offline")
-    started = SimRequest("a", "a", cls, arrival_s=0.0, prompt_tokens=512, max_output_tokens=64)
-    started.token_times = [1.0, 1.1, 1.2]
-    queued = SimRequest("b", "b", cls, arrival_s=0.0, prompt_tokens=512, max_output_tokens=64)
-    assert fidelity.offline_tokens_per_s([started, queued], 10.0) == pytest.approx(51.5)
-
-
-def test_a_real_decoder_recomputes_past_the_previous_prompts_whole_blocks(fidelity: ModuleType) -> None:
-    setup = {"first": 512, "appended": 64}
-    assert fidelity.block_miss_tokens(setup, 1) == 80  # 592 tokens, 512 held in four whole 128-token blocks
-    assert fidelity.block_miss_tokens(setup, 2) == 160  # 672 tokens, the 592 before them hold four whole blocks
+def test_the_engine_twin_replays_the_measured_requests_at_their_send_times(fidelity: ModuleType) -> None:
+    profile = {"costModel": {"k1": 1e-3, "k2": 0.0, "k3": 0.0, "k4": 0.0, "k5": 0.01}, "kvCapacityTokens": 100_000}
+    run = {
+        "load": 1.0,
+        "rate_per_s": 1.0,
+        "preemptions": 0,
+        "requests": [
+            {"sent_s": 5.0 * i, "prompt_tokens": 100, "output_tokens": 3, "cls": "standard",
+             "token_times": [5.0 * i + 0.11, 5.0 * i + 0.122, 5.0 * i + 0.133]}
+            for i in range(10)
+        ],
+    }  # fmt: skip
+    config = fidelity.parse_engine_config(fidelity.engine_config(profile["costModel"]), fidelity.BUDGET)
+    requests, engine = fidelity.simulate_engine(run, config, 100_000)
+    # alone on the engine, each request prefills in one 0.11 s step, then decodes at 0.011 s a token
+    for i, request in enumerate(requests):
+        assert request.token_times == pytest.approx([5.0 * i + 0.11, 5.0 * i + 0.121, 5.0 * i + 0.132])
+    assert engine.steps == 30
