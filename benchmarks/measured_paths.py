@@ -35,14 +35,8 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "router_pins": ("benchmarks/router_overhead.py", "src/coserve/router/app.py"),
     "reconcile": ("benchmarks/reconcile.py",),
     "autoscaling": ("benchmarks/autoscaling.py",),
-    # the simulator against the measured runs it predicts (their engines and scripts included)
-    "simulator_fidelity": (
-        *ENGINE,
-        "benchmarks/simulator_fidelity.py",
-        "benchmarks/ttfet.py",
-        "benchmarks/coserving.py",
-        "benchmarks/priority_scheduling.py",
-    ),
+    # the simulator against the engine it measures (its engine included)
+    "simulator_fidelity": (*ENGINE, "benchmarks/simulator_fidelity.py"),
     "ttfet_at_scale": ("benchmarks/simulator_at_scale.py",),
     "goroute_at_scale": ("benchmarks/simulator_at_scale.py",),
     "harvest_at_scale": ("benchmarks/simulator_at_scale.py",),
