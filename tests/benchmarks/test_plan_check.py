@@ -1,0 +1,50 @@
+"""benchmarks/plan_check.py: the workload numbers it derives from a trace, and its committed verdict."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from coserve.bench.workload import agentic
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def plan_check() -> Iterator[ModuleType]:
+    saved = list(sys.path)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("plan_check")
+    finally:
+        sys.path[:] = saved
+
+
+def test_the_numbers_of_a_known_workload(plan_check: ModuleType) -> None:
+    """Three turns of 1,000 + (16 answered + 64 appended) tokens: n = 3, a = 64 (the answer's KV is held)."""
+    conversations = agentic(20, 1.0, turns=3, first_tokens=1_000, appended_tokens=64, answer_tokens=16)
+    numbers = plan_check.static_numbers(conversations)
+    assert numbers["turns"] == 3
+    assert numbers["appended_tokens"] == 64
+    assert numbers["input_tokens"] == 1_000 and numbers["input_tokens_std_dev"] == 0
+    assert numbers["output_tokens"] == 48
+    assert numbers["later_turns"] == 40
+
+
+def test_the_committed_verdict_is_computed_from_its_figures(plan_check: ModuleType) -> None:
+    document = json.loads((BENCHMARKS / "results" / "plan_check.json").read_text())
+    cases = document["cases"]
+    assert {(c["trace"], c["profile"]) for c in cases} == {
+        (t, p) for t in ("azure", "mooncake") for p in ("h100-published", "h200-measured")
+    }
+    for case in cases:
+        up_to = [r["attainment"] for r in case["sweep"] if r["factor"] <= 1.0]
+        past = [r["first_bottleneck"] for r in case["sweep"] if r["factor"] > 1.0]
+        assert case["met"] == (min(up_to) >= plan_check.ONLINE_ATTAINMENT and all(p == "Prefiller" for p in past))
+    assert document["met"] == all(c["met"] for c in cases)
