@@ -117,3 +117,35 @@ def test_a_bad_batch_file_is_a_400_naming_the_line(
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "input_file_id"
     finally:
         router.stop()
+
+
+def test_batch_lines_go_straight_to_a_decoder_while_the_prefiller_has_a_queue(tmp_path: Path) -> None:
+    """Decoders are the over-provisioned role: a line is prefilled and decoded on a decoder with spare KV; the
+    prefiller, the bottleneck, takes lines only when nothing waits there."""
+    prefiller, decoder = FakeEngine("p", waiting=3), FakeEngine("d", kv_usage=0.1)
+    config = {"model": MODEL, "prefillers": [prefiller.url], "decoders": [decoder.url], "batchDir": str(tmp_path),
+              "pollS": 0.05}  # fmt: skip
+    router = Served(build_app(parse_router_config(config)))
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": f"q{i}"}}
+        for i in range(5)
+    ]
+    try:
+        file_id = upload(router.url, jsonl(lines)).json()["id"]
+        created = httpx.post(f"{router.url}/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions"})
+        wait_for(router.url, created.json()["id"], "completed")
+        assert prefiller.requests == []
+        assert len(decoder.requests) == 5
+        assert {r["vllm_xargs"]["coserve_class"] for r in decoder.requests} == {"offline"}
+        assert all(r.get("max_tokens") != 1 for r in decoder.requests)  # whole answers, not prefills
+
+        prefiller.waiting = 0  # its queue empties: it is idle, and prefills lines again
+        time.sleep(0.2)  # a poll sees it
+        file_id = upload(router.url, jsonl(lines)).json()["id"]
+        created = httpx.post(f"{router.url}/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions"})
+        wait_for(router.url, created.json()["id"], "completed")
+        assert prefiller.requests and all(r["max_tokens"] == 1 for r in prefiller.requests)
+    finally:
+        router.stop()
+        prefiller.served.stop()
+        decoder.served.stop()

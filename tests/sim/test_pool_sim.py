@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -257,3 +258,40 @@ def test_the_first_bottleneck_is_where_work_queues(
     burst = [conversation(f"c{i}", i * 0.1, [prompt], answer) for i in range(40)]  # 4 s: 8 router polls
     result = run(burst, prefillers=sizes[0], decoders=sizes[1], **limits).result  # type: ignore[attr-defined]
     assert result.first_bottleneck() == expected, result.queued_fraction()
+
+
+def _via_prefiller(sim: PoolSim) -> int:
+    """Offline lines whose KV came from a prefiller (a decoder computing a line holds none of it first)."""
+    return sum(1 for r in sim.offline_records if r.request.cached == r.request.prompt_tokens)
+
+
+def _harvest(conversations: list[Conversation], until_s: float, **config: object) -> PoolSim:
+    settings = {"prefillers": 1, "decoders": 2, "cost_model": COST, "kv_capacity_tokens": 100_000,
+                "slide": SlideConfig(max_tokens_per_step=512), **config}  # fmt: skip
+    classes = {c.conversation_id: OFFLINE.get("chat") for c in conversations}
+    sim = PoolSim(SimConfig(**settings), conversations, classes)  # type: ignore[arg-type]
+    sim.result = sim.run(until_s=until_s)  # type: ignore[attr-defined]
+    return sim
+
+
+def test_offline_lines_go_straight_to_decoders_while_the_prefiller_is_busy() -> None:
+    """The router's offline placement: a decoder with spare KV prefills the line and the busy prefiller gets
+    none, where the online placement sends every line through the prefiller (and harvests less)."""
+    online = [conversation(f"c{i}", i * 0.2, [3000], 20) for i in range(40)]  # the prefiller's queue never empties
+    lines = {"prompt_tokens": 200, "output_tokens": 30, "concurrency": 8}
+    routed = _harvest(online, 8.0, offline=OfflineWork(OFFLINE.get("offline"), **lines))  # type: ignore[arg-type]
+    before = _harvest(online, 8.0, offline=OfflineWork(OFFLINE.get("offline"), route="placement", **lines))  # type: ignore[arg-type]
+    assert len(routed.offline_records) > 8 and _via_prefiller(routed) <= 1  # one before the first online turn
+    # every line of the online placement went to the prefiller: still there, or moved on from it
+    assert before.offline_records and all(not r.decoder or r.request.cached for r in before.offline_records)
+    assert routed.result.offline_tokens > 2 * before.result.offline_tokens  # type: ignore[attr-defined]
+
+
+def test_an_idle_prefiller_prefills_offline_lines_one_at_a_time() -> None:
+    work = OfflineWork(OFFLINE.get("offline"), prompt_tokens=200, output_tokens=30, concurrency=8)
+    sim = _harvest([], 5.0, offline=work)
+    assert 1 <= _via_prefiller(sim) < len(sim.offline_records)
+    ones = [r.request for r in sim.offline_records if r.request.cached == r.request.prompt_tokens]
+    first_tokens = sorted(r.token_times[0] for r in ones)
+    prefill = COST.latency_s(200, 0)
+    assert all(b - a >= prefill - 1e-9 for a, b in itertools.pairwise(first_tokens))

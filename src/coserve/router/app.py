@@ -90,9 +90,9 @@ from coserve.router.policy import (
     Pin,
     PinTable,
     choose_decoder,
-    choose_gain_oriented,
+    choose_for_request,
     conversation_id,
-    prefill_deadlines,
+    place_offline,
 )
 from coserve.router.policy import resolve_class as class_for
 from coserve.scheduling.requests import InvalidRequestClass
@@ -478,8 +478,8 @@ class Router:
         return await self._route(endpoint, body, conversation, cls.name, cls.ttft_slo_s, arrived, named)
 
     def has_spare_capacity(self, spare: float = 0.5) -> bool:
-        """Offline batch work runs only while some decoder is below ``spare`` KV occupancy."""
-        return any(d.healthy and d.occupancy() < spare for d in self.decoders.values())
+        """Offline batch work runs only while some decoder is below ``spare`` KV occupancy (``place_offline``)."""
+        return place_offline(list(self.decoders.values()), list(self.prefillers.values()), spare) is not None
 
     async def run_offline(self, endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:
         """One batch line through the same checks and placement as online traffic, at the lowest class."""
@@ -504,6 +504,18 @@ class Router:
         body.pop("priority", None)
         body.pop("conversation_id", None)
         arrived = self.clock()
+        placed = place_offline(list(self.decoders.values()), list(self.prefillers.values()))
+        if placed is not None and placed.prefiller is None:  # the decoder prefills it too: no prefiller, no pin
+            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+            placed.decoder.admitted_tokens += _estimate_tokens(body)
+            try:
+                response = await self._forward(placed.decoder, path, body, lowest.name, lowest.ttft_slo_s, arrived,
+                                               arrived)  # fmt: skip
+            except _Unavailable as failure:
+                self._forward_failed(placed.decoder, failure)
+                response = error_response(503, f"decoder {placed.decoder.url} failed ({failure}); retry shortly")
+            return response.status_code, bytes(response.body)
+        # an idle prefiller (GoRouting takes it) or no spare decoder: the online placement
         response = await self._route(endpoint, body, conversation, lowest.name, lowest.ttft_slo_s, arrived)
         return response.status_code, bytes(response.body)
 
@@ -633,10 +645,7 @@ class Router:
         """Turn 1 on a prefiller: its KV goes to the decoder (handoff); on failure the decoder computes it.
         Either way a new conversation's L_in is observed (the prefiller's own count when it answered)."""
         tokens = _estimate_tokens(body)
-        candidates = list(self.prefillers.values())
-        prefiller = choose_gain_oriented(
-            candidates, prefill_deadlines(candidates, tokens, slo_s, self.config.prefill_latency)
-        )
+        prefiller = choose_for_request(list(self.prefillers.values()), tokens, slo_s, self.config.prefill_latency)
         if prefiller is None:
             if count_input:
                 self.metrics.input_tokens.observe(tokens)
@@ -647,6 +656,8 @@ class Router:
         prefill.pop("max_completion_tokens", None)
         prefill.pop("stream_options", None)
         prefiller.admitted_tokens += tokens
+        ledger = uuid.uuid4().hex  # its entry in the prefiller's ledger of work left (GoRouting's estimate)
+        prefiller.sent(ledger, tokens, 1)
         answer: Any = None
         try:
             async with self.session.post(
@@ -659,6 +670,8 @@ class Router:
             self.metrics.prefill_failures.inc()
             if isinstance(error, aiohttp.ClientConnectionError):
                 prefiller.healthy = False
+        finally:
+            prefiller.answered(ledger)
         answer = answer if isinstance(answer, dict) else {}
         usage = answer.get("usage")
         counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None

@@ -43,10 +43,12 @@ each line runs to completion once but for the window named last:
 The runner reads the input as a stream (a read offset into the file, a block of
 lines at a time) and appends to the output; file I/O runs in worker threads,
 never on the event loop, and nothing is read more than once per takeover: a
-batch costs time linear in its lines. Lines go through the router's own
-placement at the lowest (offline) class, at most ``concurrency`` at a time, and
-only while ``has_spare_capacity()`` (some decoder below ``spare`` KV occupancy),
-so online traffic keeps the capacity it needs.
+batch costs time linear in its lines. Lines run at the lowest (offline) class,
+at most ``concurrency`` at a time, and only while ``has_spare_capacity()`` (some
+decoder below ``spare`` KV occupancy), so online traffic keeps the capacity it
+needs; ``send`` places each one as ``coserve.router.policy.place_offline``
+decides (``Router.run_offline``): straight to a decoder with spare KV, which
+prefills and decodes it, and through a prefiller only when one is idle.
 """
 
 from __future__ import annotations

@@ -8,14 +8,20 @@ policies, called as the live components call them:
 
 - engines: ``SlideBatching`` decides every step, ``StepCostModel`` gives its
   duration (``coserve.sim.engine``);
-- the router: ``choose_gain_oriented`` with ``prefill_deadlines`` picks a
-  prefiller (GoRouting), ``choose_decoder`` picks turn 1's decoder (lowest KV
+- the router: ``choose_for_request`` picks a prefiller (GoRouting: the
+  soonest first token by each engine's ledger of work left), ``choose_decoder`` picks turn 1's decoder (lowest KV
   occupancy), ``PinTable`` keeps conversations on their decoder; the router's
   view of the engines (``EngineLoad``) is refreshed every ``poll_s`` as it
-  polls /metrics, plus what it admitted since;
-- offline batch work (``OfflineWork``) goes through the same placement at the
-  offline class, at most ``concurrency`` at a time and only while some decoder
-  is below ``spare`` KV occupancy (the router's batch runner); the engines'
+  polls /metrics, plus what it admitted since; its ledger of the requests in
+  flight on each engine (GoRouting's estimate) is kept as it sends them and
+  they finish, and their output tokens so far are read at each poll (the live
+  router keeps it for its prefillers, the engines it routes by GoRouting, whose
+  requests end at their first token; routing decoders so, it would count the
+  tokens it relays);
+- offline batch work (``OfflineWork``) is placed by ``place_offline``, as the
+  router's batch runner places it: straight to the decoder with the lowest KV
+  occupancy below ``spare`` (which prefills it too), through a prefiller only
+  when one is idle, at most ``concurrency`` lines at a time; the engines'
   SlideBatching puts it behind every online request;
 - the autoscaler (``scaler``, e.g. ``coserve_scaler`` around
   ``coserve.autoscaling.decide``) is evaluated every ``scale_interval_s`` on
@@ -55,7 +61,13 @@ import simpy
 
 from coserve.autoscaling.policy import Replicas, Signals
 from coserve.bench.workload import Conversation
-from coserve.router.policy import EngineLoad, PinTable, choose_decoder, choose_gain_oriented, prefill_deadlines
+from coserve.router.policy import (
+    EngineLoad,
+    PinTable,
+    choose_decoder,
+    choose_for_request,
+    place_offline,
+)
 from coserve.scheduling import SlideBatching, SlideConfig, StepCostModel
 from coserve.scheduling.gain import request_gain, slo_attained
 from coserve.scheduling.requests import RequestClass
@@ -65,6 +77,7 @@ from coserve.sim.engine import SimEngine, SimRequest
 Process = Generator[Any, Any, None]
 
 __all__ = [
+    "OFFLINE_ROUTES",
     "PLACEMENTS",
     "ROUTINGS",
     "Observation",
@@ -78,6 +91,7 @@ __all__ = [
 
 PLACEMENTS = ("conversation", "per-turn", "per-request")
 ROUTINGS = ("goroute", "round-robin", "least-loaded")
+OFFLINE_ROUTES = ("router", "placement", "decoders")
 
 
 @dataclass(frozen=True)
@@ -88,15 +102,16 @@ class OfflineWork:
     prompt_tokens: int = 512
     output_tokens: int = 64
     concurrency: int = 8
-    spare: float = 0.5  # dispatch only while some decoder is below this KV occupancy (the batch runner's rule)
-    # "router": through the router's placement, as the batch runner sends them (prefillers first under P/D);
-    # "decoders": straight to the emptiest decoder, which prefills it too (a what-if: decoders are the
-    # over-provisioned role, prefillers the deliberate bottleneck)
+    spare: float = 0.5  # a decoder takes offline lines only below this KV occupancy (the batch runner's rule)
+    # "router": as the router's batch runner places them (``place_offline``: a decoder with spare KV prefills
+    # and decodes them; an idle prefiller prefills some); "placement": through the online placement
+    # (prefillers first under P/D, while some decoder is below ``spare``), as the batch runner sent them
+    # before; "decoders": always the emptiest decoder, never a prefiller (same gate as "placement")
     route: str = "router"
 
     def __post_init__(self) -> None:
-        if self.route not in ("router", "decoders"):
-            raise ValueError(f"offline route: expected router or decoders, got {self.route!r}")
+        if self.route not in OFFLINE_ROUTES:
+            raise ValueError(f"offline route: expected one of {', '.join(OFFLINE_ROUTES)}, got {self.route!r}")
 
 
 @dataclass(frozen=True)
@@ -438,6 +453,7 @@ class PoolSim:
             return
         for request in list(engine.waiting):  # not started: back to the router
             engine.waiting.remove(request)
+            self.loads[engine.name].answered(request.request_id)
             record = self._record_of[request.request_id]
             request.computed = 0 if request.cached < request.prompt_tokens else request.computed
             self._reroute(record)
@@ -477,7 +493,10 @@ class PoolSim:
         while True:
             now = self.env.now
             for name, engine in self.by_name.items():
-                self.loads[name].polled(engine.kv_usage(), len(engine.waiting))
+                load = self.loads[name]
+                load.polled(engine.kv_usage(), len(engine.waiting))
+                for request_id in list(load.in_flight):  # the tokens the router has relayed by now
+                    load.progressed(request_id, self._record_of[request_id].request.output)
             decoders = self._ready(self.decoders)
             for decoder in decoders:
                 self.kv_occupancy[decoder.name].append((now, decoder.kv_usage()))
@@ -533,7 +552,14 @@ class PoolSim:
         if offline is None:
             return
         while True:
-            spare = any(self.loads[d.name].occupancy() < offline.spare for d in self._ready(self.decoders))
+            decoders = [self.loads[d.name] for d in self._ready(self.decoders)]
+            placed = None
+            if offline.route == "router":
+                prefillers = [self.loads[p.name] for p in self._ready(self.prefillers)]
+                placed = place_offline(decoders, prefillers, offline.spare)
+                spare = placed is not None
+            else:
+                spare = any(d.occupancy() < offline.spare for d in decoders)
             if self._offline_in_flight >= offline.concurrency or not spare:
                 self._offline_done = self.env.event()
                 yield self._offline_done | self.env.timeout(self.config.poll_s)
@@ -547,7 +573,11 @@ class PoolSim:
             record = TurnRecord(request.conversation_id, 0, True, request, offline=True)
             self._record_of[request.request_id] = record
             self.offline_records.append(record)
-            if offline.route == "decoders":
+            if placed is not None and placed.prefiller is not None:
+                self._to_prefiller(record, self.by_name[placed.prefiller.url])
+            elif placed is not None:
+                self._to_decoder(record, self.by_name[placed.decoder.url])
+            elif offline.route == "decoders":
                 self._to_decoder(record, self._emptiest_decoder())
             else:
                 self._place(record, first=True)
@@ -607,8 +637,14 @@ class PoolSim:
         if prefiller is None:
             self._pending.append(record)
             return
-        self.loads[prefiller.name].admitted_tokens += request.prompt_tokens
+        self._to_prefiller(record, prefiller)
+
+    def _to_prefiller(self, record: TurnRecord, prefiller: SimEngine) -> None:
+        request = record.request
+        load = self.loads[prefiller.name]
+        load.admitted_tokens += request.prompt_tokens
         prefiller.submit(request)
+        load.sent(request.request_id, request.prompt_tokens, 1)  # the whole prompt, as the router sends it
 
     def _route(self, engines: list[SimEngine], request: SimRequest) -> SimEngine | None:
         """The engine a new request enters, by ``routing`` (module docstring)."""
@@ -623,9 +659,10 @@ class PoolSim:
         elif routing is None and not self.uses_prefillers:
             chosen = choose_decoder(loads, self.config.full) or min(loads, key=lambda d: (d.occupancy(), d.url))
         else:
-            deadlines = prefill_deadlines(loads, request.prompt_tokens, request.cls.ttft_slo_s,
-                                          self.config.prefill_latency)  # fmt: skip
-            chosen = choose_gain_oriented(loads, deadlines) or loads[0]
+            chosen = (
+                choose_for_request(loads, request.prompt_tokens, request.cls.ttft_slo_s, self.config.prefill_latency)
+                or loads[0]
+            )
         return self.by_name[chosen.url]
 
     def _emptiest_decoder(self) -> SimEngine:
@@ -637,11 +674,18 @@ class PoolSim:
     def _to_decoder(self, record: TurnRecord, decoder: SimEngine) -> None:
         request = record.request
         record.decoder = decoder.name
-        self.loads[decoder.name].admitted_tokens += request.footprint
+        load = self.loads[decoder.name]
+        load.admitted_tokens += request.footprint
         decoder.submit(request)
+        # what the router knows: the whole prompt to compute, or none when its KV came from a prefiller (whose
+        # first token is out already); not what the engine holds of it
+        load.sent(request.request_id, 0 if request.output else request.prompt_tokens, request.max_output_tokens)
+        if request.output:
+            load.progressed(request.request_id, request.output)
 
     def _finished(self, engine: SimEngine, request: SimRequest, now: float) -> None:
         record = self._record_of[request.request_id]
+        self.loads[engine.name].answered(request.request_id)
         if record.turn == 0 and request.output >= 1 and not record.offline:
             self.records_first_token.setdefault(record.conversation_id, request.token_times[0])
         if engine.stop_after_first and request.output < request.max_output_tokens:
