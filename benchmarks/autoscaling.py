@@ -83,8 +83,11 @@ prompts of Mooncake do not miss it with the pool idle; the TPOT SLO is 100 ms.
 
 Measured per trace: SLO-violation minutes (minutes in which more than 1 % of the
 requests that arrived missed the SLO), replica-hours over the trace (every
-replica asked for or draining, sampled each simulated second) and scale
-direction changes against the load's own steps. The frontier is read linearly
+replica asked for or draining, sampled each simulated second), scale
+direction changes against the load's own steps and, for coserve, what drove
+each replica change (``scaling_steps``: the model's re-plan from the measured
+workload, the measured T_p, the prefiller queue or KV guard, as the decision's
+reasons name them; the stabilization window down). The frontier is read linearly
 between its points (``frontier_minutes_at`` and its inverse ``frontier_hours_at``)
 and held flat beyond them: cheaper than its cheapest point it keeps that point's
 minutes (a cheaper rule would have no fewer), dearer than its dearest point it
