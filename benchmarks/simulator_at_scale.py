@@ -1,9 +1,14 @@
-"""Cluster-scale evidence from the simulator: placements, routing, harvest and the plan, at 8 to 32 decoders.
+"""Cluster-scale evidence from the simulator: placements, routing and harvest, at 8 to 32 decoders.
+
+(The plan's own check, ``plan_check``, is ``benchmarks/plan_check.py``.)
 
 Every run is ``coserve.sim.PoolSim``: SlideBatching decides each engine step and the
-step cost model times it, the router's own policies place, pin and route. The engine
-is ``examples/profile-h100-published.yaml`` (Qwen3-8B on one H100, estimated from
-published figures, NOT measured); the pool is ``examples/pool.yaml``'s workload shape
+step cost model times it, the router's own policies place, pin and route. Every
+at-scale result runs on each engine profile (``--profile``, default both, a section
+per profile in its JSON): ``examples/profile-h100-published.yaml`` (Qwen3-8B on one
+H100, estimated from published figures, NOT measured) and
+``examples/profile-h200-measured.yaml`` (an 8B Llama shape on one H200, measured in
+plain PyTorch, not vLLM). The pool is ``examples/pool.yaml``'s workload shape
 (15k-token first turns, 1k output tokens per conversation) planned with that profile.
 Nothing here is tuned to a result: sizes come from the plan, rates from the profile.
 
@@ -18,37 +23,36 @@ Results (each ``benchmarks/results/<name>.json``):
   have a KV floor above 32 at any speed-up: it runs at 1x, 4x and 16x its pace. Per-request placement gets
   the same GPUs (prefillers + decoders, all colocated). The operating point is the
   agentic pool at one prefiller's saturation rate R* (the paper's: one prefiller
-  with the decoders its plan gives, at 1.634 conv/s there). Target: p95 TTFET at
+  with the decoders its plan gives). Target: p95 TTFET at
   least 51 % lower than per-turn at the operating point, and never worse than
-  per-request at p50 and p95 (each size, error and workload). NOTE: the paper's
+  per-request at p50 and p95 (each size, error and workload), on every profile. NOTE: the paper's
   per-turn baseline is AMPD at 10 % wrong predictions, which keeps later turns local
   when it predicts right; ours moves every turn's KV (full per-turn disaggregation),
   a harder baseline to lose to.
-- ``goroute_at_scale``: GoRouting vs round-robin and least-loaded across 8, 16 and 32
-  colocated engines, three classes (interactive 30 %, standard 30 %, batch 40 %) on
-  the Azure conversation trace's lengths at 1x, 3x and 5x a conservative estimate
-  of the pool's capacity (all three routings attain every class up to ~1.6x).
-  Target: GoRouting's TDG gain at least the better baseline's at every point and
-  its top-class attainment no lower (ProServe reports up to +35 % gain).
+- ``goroute_at_scale``: GoRouting (the soonest estimated first token, counting the work
+  each engine has left: ``coserve.router.policy.first_token_s``) vs round-robin and
+  least-loaded across 8, 16 and 32 colocated engines, three classes (interactive 30 %,
+  standard 30 %, batch 40 %) on the Azure conversation trace's lengths at 1x, 2x and 3x a
+  conservative estimate of the pool's capacity. Target: GoRouting's top-class attainment
+  at least both baselines' at every point, and at least 5 points above the better of them
+  at 3x, on every profile.
 - ``harvest_at_scale``: the plan's pool (headroom 1.5) at its target rate with
-  offline batch work (the router's batch runner: 512-token prompts, 64 output
-  tokens, lines in flight swept). Idle capacity is taken as the offline tokens/s
-  the same pool reaches with no online traffic over the same window (an upper
-  bound, as ConServe's "fraction of optimal"). Target: at least 80 % of it
-  harvested at >= 99 % online attainment, with lines sent as the router's batch
-  runner sends them (through the placement: prefillers first). Also reported, as a
-  what-if: lines sent straight to the decoders, the over-provisioned role.
-- ``plan_check``: the plan's pool (fixed) at 0.2x to 1.5x its target rate. Target:
-  online attainment >= 99 % up to the target, and the prefiller the first resource
-  to saturate (utilisation: prefillers' busy time, decoders' tokens/s over T_d, mean
-  KV occupancy); where not, the result says by how much.
+  offline batch work (512-token prompts, 64 output tokens, lines in flight swept),
+  placed as the router's batch runner places it (``place_offline``: straight to a
+  decoder with spare KV, through a prefiller only when one is idle), beside the
+  placement it used before (through the online placement: prefillers first). The
+  yardstick is the offline tokens/s the same pool reaches with the same placement
+  and no online traffic over the same window (ConServe's "fraction of optimal").
+  Target: >= 90 % of it harvested at >= 99 % online attainment, judged on the H200
+  profile (both reported).
 - ``simulator_speed``: one hour of the Azure conversation trace (19,366 requests) on
-  32 engines (8 prefillers + 24 decoders). Target: <= 60 s of one core's CPU time.
+  32 engines (8 prefillers + 24 decoders). Target: <= 60 s of one core's CPU time, on
+  every profile.
 
-    .venv/bin/python benchmarks/simulator_at_scale.py            # ~15 minutes on one core
-    .venv/bin/python benchmarks/simulator_at_scale.py --only plan_check
+    .venv/bin/python benchmarks/simulator_at_scale.py            # ~25 minutes on one core
+    .venv/bin/python benchmarks/simulator_at_scale.py --profile h200-measured --only harvest_at_scale
 
-Writes the JSON above and ``ttfet_at_scale.png``.
+Writes the JSON above and ``ttfet_at_scale.png`` (a row per profile).
 """
 
 from __future__ import annotations
@@ -76,7 +80,10 @@ from coserve.sim import OfflineWork, PoolSim, SimConfig, SimResult
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL = ROOT / "examples/pool.yaml"
-PROFILE = ROOT / "examples/profile-h100-published.yaml"
+PROFILES = {
+    "h100-published": ROOT / "examples/profile-h100-published.yaml",
+    "h200-measured": ROOT / "examples/profile-h200-measured.yaml",
+}
 AZURE = TRACES / "azure_llm_2023_conv.csv"
 MOONCAKE = TRACES / "mooncake_conversation.jsonl"
 
@@ -84,7 +91,8 @@ SIZES = (8, 16, 32)
 MOONCAKE_SPEEDUPS = (1.0, 4.0, 16.0)
 # multiples of a conservative per-engine capacity estimate (batched decoding at 32): every routing attains
 # every class up to ~1.6x, so the comparison runs from there into overload
-GOROUTE_LOADS = (1.0, 3.0, 5.0)
+GOROUTE_LOADS = (1.0, 2.0, 3.0)
+GOROUTE_MARGIN_AT_TOP_LOAD = 0.05  # top-class attainment over the better baseline at the highest load
 W_ERRORS = (0.0, 0.25, 0.5)
 PLACEMENTS = ("conversation", "per-turn", "per-request")
 PAPER_TTFET_CUT = 0.51
@@ -99,7 +107,9 @@ CLASS_MIX = {"interactive": 0.3, "standard": 0.3, "batch": 0.4}
 # 5x-unloaded threshold for a 15k-token first turn (0.85 s to prefill and move here); "interactive" (1 s) is
 # not a target a 15k-token prompt can meet with any queueing at all.
 ONLINE = "standard"
-HARVEST_TARGET = 0.8
+HARVEST_TARGET = 0.9
+HARVEST_JUDGED_ON = "h200-measured"
+OFFLINE_ROUTES = ("router", "placement")  # the router's offline placement; the online placement (before)
 ONLINE_ATTAINMENT = 0.99
 SPEED_TARGET_S = 60.0
 
@@ -110,15 +120,17 @@ SPEED_TARGET_S = 60.0
 class Setting:
     """The pool spec (its inline engine numbers removed, so the profile sizes it), profile and cost model."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.path = PROFILES[name]
         pool = load_pool(read_file(str(POOL)))
-        self.profile = load_profile(read_file(str(PROFILE)))
+        self.profile = load_profile(read_file(str(self.path)))
         blank = pool.spec.profile.model_copy(
             update={"prefill_latency": None, "decode_throughput_tokens_per_s": None, "kv_capacity_tokens": None}
         )
         self.spec: SpecModel = pool.spec.model_copy(update={"profile": blank})
         if not self.profile.cost_model:
-            raise SystemExit(f"{PROFILE} has no costModel")
+            raise SystemExit(f"{self.path} has no costModel")
         self.cost = StepCostModel.from_dict(self.profile.cost_model)
         self.classes = ClassRegistry(
             [c.model_dump(by_alias=True, exclude_none=True) for c in self.spec.priority_classes]
@@ -129,7 +141,7 @@ class Setting:
             or self.profile.kv_capacity_tokens is None
             or self.profile.decode_throughput_tokens_per_s is None
         ):
-            raise SystemExit(f"{PROFILE} lacks prefillLatency, kvCapacityTokens or decodeThroughputTokensPerS")
+            raise SystemExit(f"{self.path} lacks prefillLatency, kvCapacityTokens or decodeThroughputTokensPerS")
         self.curve = (curve.constant_s, curve.per_token_s, curve.per_token_squared_s)
         self.kv_capacity = int(self.profile.kv_capacity_tokens)
         self.decode_tps = float(self.profile.decode_throughput_tokens_per_s)
@@ -364,7 +376,7 @@ def ttfet_at_scale(setting: Setting, conversations: int) -> dict[str, Any]:
             "as many engines as the P/D pool has prefillers and decoders",
         },
         "setup": {
-            "engine": str(PROFILE.relative_to(ROOT)),
+            "engine": str(setting.path.relative_to(ROOT)),
             "agentic": AGENTIC,
             "conversations": conversations,
             "kv_bandwidth_gb_s": 25.0,
@@ -420,6 +432,9 @@ def goroute_at_scale(setting: Setting, requests: int) -> dict[str, Any]:
                 }
             best = max(("round-robin", "least-loaded"), key=lambda r: arms[r]["gain"])
             goroute = arms["goroute"]
+            baseline_top = max(arms[r]["top_class_attainment"] or 0 for r in ("round-robin", "least-loaded"))
+            margin = (goroute["top_class_attainment"] or 0) - baseline_top
+            wanted = GOROUTE_MARGIN_AT_TOP_LOAD if load == max(GOROUTE_LOADS) else 0.0
             points.append(
                 {
                     "engines": engines,
@@ -428,21 +443,24 @@ def goroute_at_scale(setting: Setting, requests: int) -> dict[str, Any]:
                     "arms": arms,
                     "best_baseline": best,
                     "gain_ratio": goroute["gain"] / arms[best]["gain"] if arms[best]["gain"] else None,
-                    "top_class_not_lower": (goroute["top_class_attainment"] or 0)
-                    >= max(arms[r]["top_class_attainment"] or 0 for r in ("round-robin", "least-loaded")),
+                    "top_class_margin": margin,
+                    "top_class_margin_wanted": wanted,
+                    "top_class_not_lower": margin >= 0,
+                    "met": margin >= wanted - 1e-12,
                 }
             )
-            say(f"goroute_at_scale: {engines} engines at {load:.1f}x: gain x{points[-1]['gain_ratio']:.3f} vs {best}")
-    met = all(p["gain_ratio"] is not None and p["gain_ratio"] >= 1.0 and p["top_class_not_lower"] for p in points)
+            say(
+                f"goroute_at_scale ({setting.name}): {engines} engines at {load:.1f}x: top class "
+                f"{goroute['top_class_attainment']:.3f} vs {baseline_top:.3f}, gain x{points[-1]['gain_ratio']:.3f}"
+            )
     return {
-        "benchmark": "goroute_at_scale",
-        "target": "GoRouting's TDG gain >= the better of round-robin and least-loaded at every size and load, "
-        "top-class attainment no lower (ProServe reports up to +35% gain)",
-        "met": bool(met),
+        "met": all(p["met"] for p in points),
         "best_gain_ratio": max(p["gain_ratio"] or 0 for p in points),
         "worst_gain_ratio": min(p["gain_ratio"] or 0 for p in points),
+        "worst_top_class_margin": min(p["top_class_margin"] for p in points),
         "points": points,
         "setup": {
+            "engine": str(setting.path.relative_to(ROOT)),
             "classes": THREE_CLASSES,
             "class_mix": CLASS_MIX,
             "requests": requests,
@@ -450,8 +468,17 @@ def goroute_at_scale(setting: Setting, requests: int) -> dict[str, Any]:
             "engine_capacity_per_s": per_engine,
             "mean_prompt": prompt,
             "mean_output": output,
+            "loads": list(GOROUTE_LOADS),
         },
     }
+
+
+GOROUTE_TARGET = (
+    "GoRouting's top-class (interactive) attainment at least that of round-robin and of least-loaded at "
+    f"{', '.join(f'{x:g}x' for x in GOROUTE_LOADS)} load (8, 16 and 32 engines), and at least "
+    f"{GOROUTE_MARGIN_AT_TOP_LOAD * 100:.0f} points above the better of them at {max(GOROUTE_LOADS):g}x; every "
+    "profile"
+)
 
 
 def _draw(conversations: Sequence[Conversation], classes: ClassRegistry, seed: int) -> dict[str, RequestClass]:
@@ -462,7 +489,7 @@ def _draw(conversations: Sequence[Conversation], classes: ClassRegistry, seed: i
     return {c.conversation_id: classes.get(rng.choices(names, shares)[0]) for c in conversations}
 
 
-# --- harvest_at_scale and plan_check --------------------------------------------------------------------
+# --- harvest_at_scale --------------------------------------------------------------------
 
 
 def planned_pool(
@@ -502,7 +529,7 @@ def harvest_at_scale(setting: Setting, conversations: int) -> dict[str, Any]:
     alone_online = run(setting.config(*pool), load, online)
     window = alone_online.window_s  # the online load's window: to the last conversation's arrival
     sweep = []
-    for route in ("router", "decoders"):
+    for route in OFFLINE_ROUTES:
         for concurrency in (16, 64, 256, 1024):
             work = OfflineWork(offline_cls, 512, 64, concurrency, route=route)
             alone = PoolSim(setting.config(*pool, offline=work), [], {})
@@ -522,40 +549,48 @@ def harvest_at_scale(setting: Setting, conversations: int) -> dict[str, Any]:
                 }
             )
             say(
-                f"harvest_at_scale: {route}, {concurrency} lines: {harvested:,.0f} tokens/s, "
+                f"harvest_at_scale ({setting.name}): {route}, {concurrency} lines: {harvested:,.0f} tokens/s, "
                 f"{sweep[-1]['fraction_of_offline_alone']:.0%} of the pool's offline-only {capacity:,.0f}, "
                 f"online {sweep[-1]['online_attainment']:.1%}"
             )
     by_route = {}
-    for route in ("router", "decoders"):
+    for route in OFFLINE_ROUTES:
         fine = [s for s in sweep if s["route"] == route and s["online_attainment"] >= ONLINE_ATTAINMENT]
         by_route[route] = max(fine, key=lambda s: s["harvested_tokens_per_s"]) if fine else None
     best = by_route["router"]
     fraction = best["fraction_of_offline_alone"] if best else None
-    what_if = by_route["decoders"]
+    before = by_route["placement"]
     return {
-        "benchmark": "harvest_at_scale",
-        "target": f">= {HARVEST_TARGET:.0%} of the pool's idle capacity (the offline tokens/s it reaches with no "
-        f"online traffic) harvested at >= {ONLINE_ATTAINMENT:.0%} online attainment, in the plan's pool "
-        "(headroom 1.5); ConServe reports up to 93%",
         "met": bool(fraction is not None and fraction >= HARVEST_TARGET),
-        "fraction_of_idle_capacity": fraction,
+        "fraction_of_offline_only": fraction,
         "best": best,
-        "what_if_offline_straight_to_decoders": what_if,
+        "before_through_the_online_placement": before,
         "online_only": {"attainment": online_attainment(alone_online), "utilisation": alone_online.utilisation()},
         "window_s": window,
         "sweep": sweep,
         "setup": {
+            "engine": str(setting.path.relative_to(ROOT)),
             "prefillers": pool[0],
             "decoders": pool[1],
             "rate_per_s": rate,
             "workload": shape,
             "offline": {"prompt_tokens": 512, "output_tokens": 64, "class": offline_cls.name},
-            "idle_capacity": "the offline tokens/s the same pool reaches with no online traffic over the same "
-            "window: an upper bound on idle capacity (online work's own share is not subtracted), so the "
-            "fraction understates the harvest",
+            "routes": {
+                "router": "the router's offline placement (place_offline): a decoder below the spare KV "
+                "occupancy prefills and decodes the line; an idle prefiller prefills some",
+                "placement": "through the online placement (prefillers first), as the batch runner sent lines before",
+            },
+            "offline_only": "the offline tokens/s the same pool reaches with the same route and lines in flight "
+            "and no online traffic, over the same window (ConServe's 'fraction of optimal')",
         },
     }
+
+
+HARVEST_TARGET_TEXT = (
+    f">= {HARVEST_TARGET:.0%} of the pool's offline-only throughput (same pool, route and lines in flight, no "
+    f"online traffic) harvested at >= {ONLINE_ATTAINMENT:.0%} online attainment, in the plan's pool (headroom "
+    f"1.5), offline lines placed as the router's batch runner places them; judged on {HARVEST_JUDGED_ON}"
+)
 
 
 def offline_tokens_by(sim: PoolSim, until_s: float) -> int:
@@ -567,69 +602,6 @@ def offline_tokens_by(sim: PoolSim, until_s: float) -> int:
         and len(r.request.token_times) == r.request.max_output_tokens
         and r.request.token_times[-1] <= until_s
     )
-
-
-def plan_check(setting: Setting, conversations: int) -> dict[str, Any]:
-    as_published, shape, target_rate = planned_pool(setting, conversations, decode_at_context=False)
-    at_context, _, _ = planned_pool(setting, conversations)
-    online_cls = setting.classes.get(ONLINE)
-    pools = {}
-    for label, plan, t_d in (
-        ("profile_as_published", as_published, setting.decode_tps),
-        ("decode_at_live_context", at_context, setting.decode_tps_at(shape["input"] + shape["output"])),
-    ):
-        rows = []
-        for factor in (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.5):
-            load = agentic_workload(target_rate * factor, conversations)
-            result = run(
-                setting.config(plan.prefillers, plan.decoders), load, {c.conversation_id: online_cls for c in load}
-            )
-            use = result.utilisation(t_d)
-            rows.append(
-                {
-                    "factor": factor,
-                    "rate_per_s": target_rate * factor,
-                    "attainment": online_attainment(result),
-                    "utilisation": use,
-                    "first_bottleneck": result.first_bottleneck(t_d),
-                    "ttfet": ttfet_figures(result),
-                }
-            )
-            say(
-                f"plan_check ({label}, {plan.prefillers}P+{plan.decoders}D): {factor:.1f}x: attainment "
-                f"{rows[-1]['attainment']:.1%}, first {rows[-1]['first_bottleneck']}, "
-                + ", ".join(f"{k} {v:.0%}" for k, v in use.items())
-            )
-        up_to_target = [r for r in rows if r["factor"] <= 1.0]
-        saturated = [r for r in rows if r["factor"] >= 1.0]
-        pools[label] = {
-            "plan": {
-                "prefillers": plan.prefillers,
-                "decoders": plan.decoders,
-                "bottleneck": str(plan.bottleneck),
-                "decode_tokens_per_s": t_d,
-                "saturation_rate_per_s": plan.pool_saturation_rate_per_s,
-            },
-            "slo_met_up_to_target": all(r["attainment"] >= ONLINE_ATTAINMENT for r in up_to_target),
-            "worst_attainment_margin_up_to_target": min(r["attainment"] for r in up_to_target) - ONLINE_ATTAINMENT,
-            "prefiller_saturates_first": all(r["first_bottleneck"] == "Prefiller" for r in saturated),
-            "first_below_slo_factor": next((r["factor"] for r in rows if r["attainment"] < ONLINE_ATTAINMENT), None),
-            "sweep": rows,
-        }
-    judged = pools["profile_as_published"]
-    return {
-        "benchmark": "plan_check",
-        "target": f"the plan's pool meets its SLO ({ONLINE} class, >= {ONLINE_ATTAINMENT:.0%} of requests) from 0.2x "
-        "up to its target rate, and the prefiller is the first resource to saturate (judged on the pool planned "
-        "from the profile as published; the pool planned with T_d at the workload's context is the diagnosis)",
-        "met": bool(judged["slo_met_up_to_target"] and judged["prefiller_saturates_first"]),
-        "slo_met_up_to_target": judged["slo_met_up_to_target"],
-        "worst_attainment_margin_up_to_target": judged["worst_attainment_margin_up_to_target"],
-        "prefiller_saturates_first": judged["prefiller_saturates_first"],
-        "pools": pools,
-        "target_rate_per_s": target_rate,
-        "setup": {"workload": shape, "conversations": conversations, "class": ONLINE},
-    }
 
 
 # --- simulator_speed ------------------------------------------------------------------------------------
@@ -660,13 +632,39 @@ def simulator_speed(setting: Setting) -> dict[str, Any]:
 # --- main -----------------------------------------------------------------------------------------------
 
 
+AT_SCALE = ("ttfet_at_scale", "goroute_at_scale", "harvest_at_scale", "simulator_speed")
+
+
+def combine(name: str, per_profile: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One benchmark's document: a section per profile, ``met`` as its target says (harvest: on
+    ``HARVEST_JUDGED_ON``; the others: on every profile run)."""
+    sections = {}
+    target = None
+    for profile, document in per_profile.items():
+        section = dict(document)
+        section.pop("benchmark", None)
+        target = section.pop("target", target)
+        sections[profile] = section
+    if name == "goroute_at_scale":
+        target = GOROUTE_TARGET
+    if name == "harvest_at_scale":
+        target = HARVEST_TARGET_TEXT
+        judged = sections.get(HARVEST_JUDGED_ON)
+        met = bool(judged["met"]) if judged is not None else False
+        judged_on = [HARVEST_JUDGED_ON] if judged is not None else []
+    else:
+        met = all(bool(section["met"]) for section in sections.values())
+        judged_on = list(sections)
+    return {"benchmark": name, "target": target, "met": met, "judged_on": judged_on, "profiles": sections}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", choices=AT_SCALE)
     parser.add_argument(
-        "--only",
-        action="append",
-        choices=("ttfet_at_scale", "goroute_at_scale", "harvest_at_scale", "plan_check", "simulator_speed"),
-    )
+        "--profile", action="append", choices=tuple(PROFILES),
+        help="engine profile to run the at-scale results on (repeatable; default: every one)",
+    )  # fmt: skip
     parser.add_argument("--conversations", type=int, default=400, help="conversations per run (default 400)")
     parser.add_argument("--requests", type=int, default=3000, help="goroute: Azure requests per run (default 3000)")
     args = parser.parse_args()
@@ -674,24 +672,29 @@ def main() -> int:
         if not trace.exists():
             print(f"simulator_at_scale: the trace {trace} is missing (data/traces/README.md)", file=sys.stderr)
             return 2
-    setting = Setting()
-    jobs: dict[str, Callable[[], dict[str, Any]]] = {
-        "simulator_speed": lambda: simulator_speed(setting),
-        "plan_check": lambda: plan_check(setting, args.conversations),
-        "harvest_at_scale": lambda: harvest_at_scale(setting, args.conversations),
-        "goroute_at_scale": lambda: goroute_at_scale(setting, args.requests),
-        "ttfet_at_scale": lambda: ttfet_at_scale(setting, args.conversations),
+    profiles = args.profile or list(PROFILES)
+    settings = {name: Setting(name) for name in profiles}
+    jobs: dict[str, Callable[[Setting], dict[str, Any]]] = {
+        "simulator_speed": simulator_speed,
+        "harvest_at_scale": lambda setting: harvest_at_scale(setting, args.conversations),
+        "goroute_at_scale": lambda setting: goroute_at_scale(setting, args.requests),
+        "ttfet_at_scale": lambda setting: ttfet_at_scale(setting, args.conversations),
     }
     results = {}
     for name, job in jobs.items():
         if args.only and name not in args.only:
             continue
         started = time.perf_counter()
-        try:
-            document = job()
-        except InvalidInput as error:
-            print(f"simulator_at_scale: {name}: the plan rejected the workload: {error}", file=sys.stderr)
-            return 1
+        per_profile = {}
+        for profile, setting in settings.items():
+            try:
+                per_profile[profile] = job(setting)
+            except InvalidInput as error:
+                print(
+                    f"simulator_at_scale: {name} ({profile}): the plan rejected the workload: {error}", file=sys.stderr
+                )
+                return 1
+        document = combine(name, per_profile)
         document["elapsed_s"] = time.perf_counter() - started
         write_result(name, document)
         results[name] = document
@@ -705,11 +708,10 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     def s(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    if "ttfet_at_scale" in results:
-        doc = results["ttfet_at_scale"]
+    for profile, doc in results.get("ttfet_at_scale", {}).get("profiles", {}).items():
         op = doc["operating_point"]
         print(
-            f"\nttfet_at_scale (p95 TTFET, s): operating point {op['prefillers']}P+{op['decoders']}D at "
+            f"\nttfet_at_scale, {profile} (p95 TTFET, s): operating point {op['prefillers']}P+{op['decoders']}D at "
             f"{op['rate_per_s']:.3f} conv/s: cut vs per-turn {s(doc['p95_cut_vs_per_turn_at_operating_point'])}"
         )
         print(
@@ -725,38 +727,28 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
                 f"{s(a['per-request']['p50_s']):>10}{s(a['per-request']['p95_s']):>10}"
                 f"{s(row['p95_cut_vs_per_turn']):>7}{'yes' if row['not_worse_than_per_request'] else 'no':>5}"
             )
-    if "goroute_at_scale" in results:
-        print("\ngoroute_at_scale (TDG gain ratio vs the better baseline; top-class attainment)")
-        for p in results["goroute_at_scale"]["points"]:
+    for profile, doc in results.get("goroute_at_scale", {}).get("profiles", {}).items():
+        print(f"\ngoroute_at_scale, {profile} (top-class attainment; TDG gain ratio vs the better baseline)")
+        for p in doc["points"]:
             arms = p["arms"]
             print(
-                f"{p['engines']:>3} engines {p['load']:.1f}x  ratio {s(p['gain_ratio'])}  top: goroute "
-                f"{s(arms['goroute']['top_class_attainment'])} rr {s(arms['round-robin']['top_class_attainment'])} "
-                f"ll {s(arms['least-loaded']['top_class_attainment'])}"
+                f"{p['engines']:>3} engines {p['load']:.1f}x  "
+                f"top: goroute {s(arms['goroute']['top_class_attainment'])} "
+                f"rr {s(arms['round-robin']['top_class_attainment'])} "
+                f"ll {s(arms['least-loaded']['top_class_attainment'])}  margin {p['top_class_margin']:+.3f}  "
+                f"gain ratio {s(p['gain_ratio'])}  {'ok' if p['met'] else 'MISS'}"
             )
-    if "harvest_at_scale" in results:
-        print("\nharvest_at_scale")
-        for row in results["harvest_at_scale"]["sweep"]:  # by route, then lines in flight
+    for profile, doc in results.get("harvest_at_scale", {}).get("profiles", {}).items():
+        setup = doc["setup"]
+        print(f"\nharvest_at_scale, {profile}: {setup['prefillers']}P+{setup['decoders']}D")
+        for row in doc["sweep"]:  # by route, then lines in flight
             print(
                 f"{row['route']:>9} {row['concurrency']:>5} lines  {row['harvested_tokens_per_s']:>10,.0f} tokens/s  "
                 f"{s(row['fraction_of_offline_alone'])} of offline-only  online {row['online_attainment']:.1%}"
             )
-    if "plan_check" in results:
-        for label, pool in results["plan_check"]["pools"].items():
-            plan = pool["plan"]
-            print(
-                f"\nplan_check, {label}: {plan['prefillers']}P+{plan['decoders']}D "
-                f"(T_d {plan['decode_tokens_per_s']:,.0f} tokens/s)"
-            )
-            for row in pool["sweep"]:
-                print(
-                    f"{row['factor']:>4.1f}x  attainment {row['attainment']:.1%}  first {row['first_bottleneck']}  "
-                    + ", ".join(f"{k} {v:.0%}" for k, v in row["utilisation"].items())
-                )
-    if "simulator_speed" in results:
-        doc = results["simulator_speed"]
+    for profile, doc in results.get("simulator_speed", {}).get("profiles", {}).items():
         print(
-            f"\nsimulator_speed: {doc['simulated_s']:.0f} s simulated in {doc['cpu_s']:.1f} s CPU "
+            f"\nsimulator_speed, {profile}: {doc['simulated_s']:.0f} s simulated in {doc['cpu_s']:.1f} s CPU "
             f"(trace read {doc['trace_read_cpu_s']:.1f} s)"
         )
     for name, doc in results.items():
@@ -764,32 +756,36 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
 
 
 def plot(doc: dict[str, Any]) -> None:
-    """p95 TTFET (agentic) and p95 turn TTFT (Mooncake, whose TTFET is its own turns' schedule) against rate."""
+    """Per profile: p95 TTFET (agentic) and p95 turn TTFT (Mooncake, whose TTFET is its own turns' schedule)
+    against rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for axis, name, key in zip(axes, ("agentic", "mooncake"), ("p95_s", "turn_ttft_p95_s"), strict=True):
-        for placement, marker in zip(PLACEMENTS, "os^", strict=True):
-            for error, style in zip(W_ERRORS, ("-", "--", ":"), strict=True):
-                rows = [r for r in doc["grid"] if r["workload"] == name and r["w_error"] == error]
-                values = [r["arms"][placement][key] for r in rows]
-                axis.plot(
-                    [r["rate_per_s"] for r in rows],
-                    [v if v is not None else float("nan") for v in values],
-                    marker=marker,
-                    linestyle=style,
-                    label=f"{placement}, W err {error:.0%}",
-                )
-        axis.set_xscale("log")
-        axis.set_yscale("log")
-        axis.set_xlabel("conversations/s (agentic: the plan's 8, 16, 32 decoders; Mooncake: 1x, 4x, 16x)")
-        axis.set_ylabel("p95 TTFET (s)" if name == "agentic" else "p95 TTFT of every turn (s)")
-        axis.set_title(name)
-        axis.grid(alpha=0.3)
-    axes[1].legend(fontsize=6, ncol=1)
+    profiles = list(doc["profiles"])
+    figure, grid = plt.subplots(len(profiles), 2, figsize=(11, 3.8 * len(profiles)), squeeze=False)
+    for axes, profile in zip(grid, profiles, strict=True):
+        section = doc["profiles"][profile]
+        for axis, name, key in zip(axes, ("agentic", "mooncake"), ("p95_s", "turn_ttft_p95_s"), strict=True):
+            for placement, marker in zip(PLACEMENTS, "os^", strict=True):
+                for error, style in zip(W_ERRORS, ("-", "--", ":"), strict=True):
+                    rows = [r for r in section["grid"] if r["workload"] == name and r["w_error"] == error]
+                    values = [r["arms"][placement][key] for r in rows]
+                    axis.plot(
+                        [r["rate_per_s"] for r in rows],
+                        [v if v is not None else float("nan") for v in values],
+                        marker=marker,
+                        linestyle=style,
+                        label=f"{placement}, W err {error:.0%}",
+                    )
+            axis.set_xscale("log")
+            axis.set_yscale("log")
+            axis.set_xlabel("conversations/s (agentic: the plan's 8, 16, 32 decoders; Mooncake: 1x, 4x, 16x)")
+            axis.set_ylabel("p95 TTFET (s)" if name == "agentic" else "p95 TTFT of every turn (s)")
+            axis.set_title(f"{name}, {profile}")
+            axis.grid(alpha=0.3)
+        axes[1].legend(fontsize=6, ncol=1)
     figure.tight_layout()
     figure.savefig(RESULTS / "ttfet_at_scale.png", dpi=100)
     plt.close(figure)
