@@ -204,3 +204,50 @@ def test_a_decoder_loads_handed_off_blocks_only_for_a_request_that_carries_a_rem
     unasked = with_params(request("d2", tokens, "standard"), None)
     assert decoder.matched_tokens(routed, 0) == 2 * BLOCK
     assert decoder.matched_tokens(unasked, 0) == 0  # without the prefiller's answer the decoder computes it
+
+
+def test_a_remote_decode_requests_blocks_are_all_written_whatever_the_copy_budget(tmp_path: Any) -> None:
+    """The copy budget bounds host-offload copies per step; a prefiller's remote-decode request ends with its
+    prefill step (its blocks are freed then), so every block a decoder will look for is written in that step.
+    Under the budget alone a 10 ms step would write one block and the decoder recompute the other two."""
+    config = parse_engine_config({"costModel": {"k1": 0, "k2": 0, "k3": 0, "k4": 0, "k5": 0.01}}, 64)
+    settings = KVSettings(handoff_backend="shm", handoff_path=str(tmp_path),
+                          copy_bandwidth_bytes_per_s=0.1 * BLOCK_BYTES / 0.01 / 0.1)  # one block per step  # fmt: skip
+    p = OffloadPlanner(settings, block_size=BLOCK, block_bytes=BLOCK_BYTES, salt=model_salt("m"), config=config,
+                       produce=True, consume=False)  # fmt: skip
+    asked = with_params(request("a", list(range(13)), "standard"), {"do_remote_decode": True})
+    p.matched_tokens(asked, 0)
+    p.allocated(asked, [1, 2, 3, 4], 0)
+    plan = p.plan_step(new_step((asked, [1, 2, 3, 4], 0, 13)))
+    assert [c.device_block for c in plan.saves] == [1, 2, 3]
+    assert all(c.handoff is not None for c in plan.saves)
+
+
+def test_a_decoder_waits_for_handoff_files_still_being_written_then_gives_up(tmp_path: Any) -> None:
+    """The prefiller answers as its step ends; its worker writes the files just after. A decoder that looks
+    first answers None (vLLM asks again next step) until they are there, for at most handoff_wait_s; then it
+    loads what is there and computes the rest, and says so."""
+    producer = handoff_planner(produce=True, consume=False, directory=str(tmp_path))
+    tokens = list(range(10))
+    asked = with_params(request("a", tokens, "standard"), {"do_remote_decode": True})
+    producer.matched_tokens(asked, 0)
+    producer.allocated(asked, [1, 2, 3], 0)
+    written = [copy.handoff for copy in producer.plan_step(new_step((asked, [1, 2, 3], 0, 10))).saves]
+    assert len(written) == 2
+    (tmp_path / f"{written[0]}.0.kv").write_bytes(b"kv")  # the second block is not written yet
+    decoder = handoff_planner(produce=False, consume=True, directory=str(tmp_path))
+    routed = with_params(request("d", tokens, "standard"), {"do_remote_prefill": True, "coserve_handoff": "shm"})
+    assert decoder.matched_tokens(routed, 0) is None
+    assert decoder.matched_tokens(routed, 0) is None
+    (tmp_path / f"{written[1]}.0.kv").write_bytes(b"kv")
+    assert decoder.matched_tokens(routed, 0) == 2 * BLOCK
+    assert decoder.take_stats()["handoff_waits"] == 2
+    # a block that never comes: the decoder waits handoff_wait_s (0 here), then loads what it found
+    impatient = OffloadPlanner(
+        KVSettings(handoff_backend="shm", handoff_path=str(tmp_path), handoff_wait_s=0.0), block_size=BLOCK,
+        block_bytes=BLOCK_BYTES, salt=model_salt("m"), config=decoder.config, produce=False, consume=True,
+    )  # fmt: skip
+    (tmp_path / f"{written[1]}.0.kv").unlink()
+    routed_again = with_params(request("e", tokens, "standard"), {"do_remote_prefill": True})
+    assert impatient.matched_tokens(routed_again, 0) == BLOCK
+    assert impatient.take_stats()["handoff_misses"] == 1

@@ -10,7 +10,8 @@ side adds the host pool's counters and occupancy in
 
 - ``coserve:kv_offload_bytes_total{direction="offloaded"|"reloaded"}``
 - ``coserve:kv_offload_blocks_total{event=...}``: hit, miss, saved, dropped, evicted, aborted, loaded,
-  handoff_loaded, handoff_written
+  handoff_loaded, handoff_written, handoff_wait (a decoder's step in which a request waited for its
+  prefiller's blocks to appear), handoff_missed (a request that stopped waiting and computes them)
 - ``coserve:kv_offload_copy_seconds`` (histogram, one observation per step that copied)
 - ``coserve:kv_offload_pool_occupancy`` (fraction of the host pool's slots in use)
 - ``coserve:safepoint_seconds_total`` and ``coserve:safepoint_steps_total``: time the workers spent
@@ -41,6 +42,8 @@ _BLOCK_EVENTS = {
     "loaded_blocks": "loaded",
     "handoff_blocks": "handoff_loaded",
     "handoff_files": "handoff_written",
+    "handoff_waits": "handoff_wait",
+    "handoff_misses": "handoff_missed",
 }
 _GAUGES = ("pool_occupancy", "pool_blocks", "copy_bandwidth_bytes_per_s")
 

@@ -106,6 +106,7 @@ class _Tracked:
     hashes: list[BlockHash] = field(default_factory=list)
     saved: int = 0  # blocks from the start already copied out, held, or given up on
     remote_decode: bool = False  # a prefiller keeps its blocks for a decoder (the router asked: do_remote_decode)
+    handoff_wait_since: float | None = None  # a decoder first looked for its handoff blocks and missed one
 
 
 def model_salt(*identity: object) -> bytes:
@@ -148,6 +149,8 @@ class OffloadPlanner:
         self._step = 0
         self.loaded_blocks = 0
         self.handoff_blocks = 0
+        self.handoff_waits = 0  # steps a request waited for its prefiller's handoff files
+        self.handoff_misses = 0  # requests that gave up waiting and recompute the blocks still missing
         self._reported: dict[str, float] = {}
         # the copy bandwidth the budget assumes: the setting until the workers' copies have been timed
         self.bandwidth_bytes_per_s = settings.copy_bandwidth_bytes_per_s
@@ -155,8 +158,11 @@ class OffloadPlanner:
 
     # -- vLLM's scheduler calls these through the connector ------------------------------------------
 
-    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` (block-aligned) this connector can load for ``request``."""
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` (block-aligned) this connector can load for ``request``;
+        ``None`` while a remote-prefill request's handoff files are still being written (vLLM asks again next
+        step), for at most ``handoff_wait_s``: the prefiller answers as its step ends, and its worker writes the
+        files just after."""
         tracked = self._track(request)
         start = num_computed_tokens // self.block_size
         # vLLM must compute at least the last prompt token itself
@@ -168,15 +174,38 @@ class OffloadPlanner:
         # the shm handoff follows vLLM's P/D protocol: a decoder loads a prompt's blocks only for a request the
         # router sent with the prefiller's answer (do_remote_prefill), as NixlConnector would
         if self.consume and has_remote_prefill(getattr(request, "kv_transfer_params", None)):
+            missing = False
             for block in wanted[found:]:
                 if not handoff_file(self.settings.handoff_path, block.hex(), 0).exists():
+                    missing = True
                     break
                 copies.append(BlockCopy(-1, -1, block.hex()))
+            if missing and self._wait_for_handoff(tracked):
+                self._pending_loads.pop(request.request_id, None)
+                return None
         if not copies:
             self._pending_loads.pop(request.request_id, None)
             return 0
         self._pending_loads[request.request_id] = (start, copies, wanted[:found])
         return len(copies) * self.block_size
+
+    def _wait_for_handoff(self, tracked: _Tracked) -> bool:
+        """Whether to wait another step for a handoff file that is not there yet (``handoff_wait_s`` in all)."""
+        now = time.monotonic()
+        if tracked.handoff_wait_since is None:
+            tracked.handoff_wait_since = now
+        if now - tracked.handoff_wait_since < self.settings.handoff_wait_s:
+            self.handoff_waits += 1
+            return True
+        if tracked.handoff_wait_since != -1.0:
+            tracked.handoff_wait_since = -1.0  # given up: counted and logged once
+            self.handoff_misses += 1
+            logger.warning(
+                "request %s: its prefiller's handoff blocks did not all appear in %s within %.1f s; the decoder "
+                "computes the rest of the prompt", tracked.request.request_id, self.settings.handoff_path,
+                self.settings.handoff_wait_s,
+            )  # fmt: skip
+        return False
 
     def allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM gave ``request`` its blocks; plan the load of the ``num_external_tokens`` it will not compute."""
@@ -281,6 +310,8 @@ class OffloadPlanner:
             "aborted": stats.aborted,
             "loaded_blocks": self.loaded_blocks,
             "handoff_blocks": self.handoff_blocks,
+            "handoff_waits": self.handoff_waits,
+            "handoff_misses": self.handoff_misses,
         }
         delta = stats_delta(now, self._reported)
         self._reported = now
@@ -332,7 +363,9 @@ class OffloadPlanner:
             tokens = tracked.request.all_token_ids
             tracked.hashes = block_hashes(tokens[: full * self.block_size], self.block_size, self.salt, tracked.hashes)
             for index in range(tracked.saved, full):
-                if budget <= 0:
+                # a decoder waits for a remote-decode request's blocks and computes any that never come, so they
+                # are written whatever the budget: the request ends with this step and its blocks are freed
+                if budget <= 0 and not tracked.remote_decode:
                     break
                 block = tracked.hashes[index]
                 slot = (
@@ -738,6 +771,8 @@ COUNTERS = (
     "bytes_offloaded",  # worker: device -> host pool
     "bytes_reloaded",  # worker: host pool or handoff file -> device
     "handoff_files",  # worker: blocks written for a decoder
+    "handoff_waits",  # scheduler: steps a remote-prefill request waited for its handoff files
+    "handoff_misses",  # scheduler: remote-prefill requests that stopped waiting and compute what is missing
     "hits",  # scheduler: blocks found in the host pool
     "misses",  # scheduler: lookups that stopped at a missing block
     "saved",  # scheduler: blocks reserved for a copy-out

@@ -13,7 +13,8 @@ renders them for local engines.
      "class_shares": {"offline": 0.5},      # most of the pool a class may hold (default 1.0)
      "handoff_backend": "shm",              # none | shm (one machine, CPU or GPU)
      "handoff_path": "/dev/shm/coserve-kv", # shm: the directory prefillers and decoders share
-     "handoff_max_bytes": 1073741824}       # shm: its bound; the oldest blocks go first
+     "handoff_max_bytes": 1073741824,       # shm: its bound; the oldest blocks go first
+     "handoff_wait_s": 2.0}                 # shm: how long a decoder waits for a prefiller's blocks to appear
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _KNOWN = {
     "handoff_backend",
     "handoff_path",
     "handoff_max_bytes",
+    "handoff_wait_s",
 }
 # Keys the connector shares with others in the same extra config (not KV offload settings).
 _OTHERS = {"safepoints", "safepoint_runahead", "coserve_config"}
@@ -52,6 +54,9 @@ class KVSettings:
     handoff_backend: str = "none"
     handoff_path: str = "/dev/shm/coserve-kv"  # noqa: S108 - shared memory on purpose; one directory per pool
     handoff_max_bytes: int = 1 << 30
+    # the prefiller answers as its last prefill step ends and its worker writes the blocks just after; a
+    # decoder that finds one missing waits this long (vLLM asks again every step) before computing the rest
+    handoff_wait_s: float = 2.0
 
     @property
     def offload(self) -> bool:
@@ -95,6 +100,9 @@ def parse_kv_settings(extra: Mapping[str, Any]) -> KVSettings:
     bandwidth = _number(extra, "copy_bandwidth_bytes_per_s", KVSettings.copy_bandwidth_bytes_per_s)
     if bandwidth <= 0:
         raise ValueError(f"{_PREFIX}.copy_bandwidth_bytes_per_s: must be positive, got {bandwidth}")
+    wait = _number(extra, "handoff_wait_s", KVSettings.handoff_wait_s)
+    if wait < 0:
+        raise ValueError(f"{_PREFIX}.handoff_wait_s: must be >= 0 seconds, got {wait}")
     return KVSettings(
         host_memory_bytes=host_bytes if backend == "host" else 0,
         copy_budget_fraction=fraction,
@@ -103,6 +111,7 @@ def parse_kv_settings(extra: Mapping[str, Any]) -> KVSettings:
         handoff_backend=str(handoff),
         handoff_path=path,
         handoff_max_bytes=_integer(extra, "handoff_max_bytes", KVSettings.handoff_max_bytes),
+        handoff_wait_s=wait,
     )
 
 
