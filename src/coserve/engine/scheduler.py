@@ -217,7 +217,8 @@ class TDGScheduler(Scheduler):
         ]
 
     def _trace_step(self, pieces: list[tuple[int, int]], abandoned: bool) -> None:
-        """One line of the step trace: start and end (perf_counter s), requests, P, C, Σp(p+c), prediction."""
+        """One line of the step trace: start and end (perf_counter s), requests, P, C, Σp(p+c), prediction,
+        and after the step the waiting and running requests and the KV blocks' usage."""
         if self._trace is None:
             return
         line = {
@@ -230,6 +231,8 @@ class TDGScheduler(Scheduler):
             "attention": sum(p * (p + c) for p, c in pieces),
             "predicted_s": self.coserve.cost_model.step_latency_s(pieces),
             "waiting": len(self.waiting),
+            "running": len(self.running),
+            "kv_usage": round(self.kv_cache_manager.usage, 4),
             "abandoned": abandoned,
         }
         self._trace.write(json.dumps(line) + "\n")
