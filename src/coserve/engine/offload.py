@@ -515,7 +515,8 @@ class OffloadWorker:
         return None
 
     def end(self) -> None:
-        """End of the step: start the step's copy-outs on the background thread, and return at once.
+        """End of the step: start the step's copy-outs on the background thread, and return at once; on a
+        prefiller, a step with handoff blocks writes them first, so its answer never precedes its files.
 
         NOTE: copying while the forward runs was measured to slow it down by 5-15 % on 2 cores: the
         copy thread preempts the OpenMP threads of the forward, which then wait for each other at
@@ -529,7 +530,13 @@ class OffloadWorker:
             self._end_cuda(plan.saves, self._copier)
             return
         self._loaded(plan)
-        if plan.saves:
+        if plan.saves and self.produce and any(copy.handoff is not None for copy in plan.saves):
+            # NOTE: a decoder looks for these files as soon as the router has the answer this step ends with, and
+            # on a CPU the next forward would wait for them anyway (``begin`` drains): written before the step
+            # returns, they are there when it looks (else it finds one missing and retries a decoder step later).
+            self._drain()
+            self._save_step(plan.saves)
+        elif plan.saves:
             self._futures.append(self._thread.submit(self._save_step, plan.saves))
 
     # -- CUDA: DeviceKVCopier ----------------------------------------------------------------------------
