@@ -201,6 +201,8 @@ def test_the_command_mixes_classes_harvests_offline_work_autoscales_and_plots(tm
     assert (tmp_path / "sim.png").stat().st_size > 10_000
     bad = subprocess.run([*command, "--class-mix", "gold=1"], capture_output=True, text=True, check=False, cwd=ROOT)
     assert bad.returncode == 2 and "--class-mix: unknown class 'gold'" in bad.stderr
+    block = subprocess.run([*command, "--kv-block-tokens", "0"], capture_output=True, text=True, check=False, cwd=ROOT)
+    assert block.returncode == 2 and "--kv-block-tokens: must be at least 1, got 0" in block.stderr
 
 
 def test_a_trace_read_for_lengths_only_has_the_same_turns() -> None:

@@ -87,6 +87,9 @@ def add_simulate_command(commands: Any, add_profile_option: Any) -> None:
         "--kv-bytes-per-token", type=float, default=131072, help="KV bytes per token (default: an 8B Llama, bf16)"
     )
     simulate.add_argument(
+        "--kv-block-tokens", type=int, default=16, help="vLLM's KV block size (default 16, vLLM's on GPUs; 128 on CPUs)"
+    )
+    simulate.add_argument(
         "--plot",
         metavar="FILE",
         default="coserve-simulate.png",
@@ -108,6 +111,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     problems = check_workload(args)
     for flag, value in (("--prefillers", args.prefillers), ("--decoders", args.decoders),
                         ("--max-num-seqs", args.max_num_seqs), ("--offline-prompt", args.offline_prompt),
+                        ("--kv-block-tokens", args.kv_block_tokens),
                         ("--offline-output", args.offline_output)):  # fmt: skip
         if value is not None and value < 1:
             problems.append(Problem(flag, f"must be at least 1, got {value}"))
@@ -148,6 +152,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         slide=SlideConfig(),
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_bandwidth_bytes_per_s=args.kv_bandwidth * 1e9,
+        kv_block_tokens=args.kv_block_tokens,
         prefill_latency=(curve.constant_s, curve.per_token_s, curve.per_token_squared_s),
         offline=offline,
         startup_s=args.startup,

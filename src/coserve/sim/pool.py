@@ -44,7 +44,10 @@ router's), ``round-robin`` or ``least-loaded`` (fewest waiting, then lowest
 occupancy); unset, prefillers use GoRouting and per-request placement the
 lowest KV occupancy.
 
-A KV move takes ``prompt tokens x kv_bytes_per_token / kv_bandwidth_bytes_per_s``.
+Turn 1 through a prefiller follows vLLM's P/D protocol as the router runs it: the prefiller computes the
+prompt and one token, which the router drops; the prompt's whole blocks short of its last token move to the
+decoder (``moved tokens x kv_bytes_per_token / kv_bandwidth_bytes_per_s``); the decoder computes the tail
+and answers every token, the first one included.
 A later turn is sent when its trace time comes or ``gap_s`` after the previous
 answer ended, whichever is later (the closed loop an agent runs).
 """
