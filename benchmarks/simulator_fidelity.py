@@ -370,11 +370,11 @@ def measured_run(base: str, requests: list[BenchRequest], label: str, trace: Pat
         raise SystemExit(f"{label}: {len(failed)} requests failed, e.g. {failed[0]}")
     kept = [
         {
-            "sent_s": o.sent_s - started,
+            "sent_s": round(o.sent_s - started, 5),
             "prompt_tokens": len(o.request.prompt),
             "output_tokens": o.request.max_tokens,
             "cls": o.request.cls,
-            "token_times": [t - started for t in o.token_times],
+            "token_times": [round(t - started, 5) for t in o.token_times],  # 10 µs: the result stays small
         }
         for o in outcomes
     ]
@@ -770,9 +770,9 @@ def measure_pool_rung(model: Path, cost_model: dict[str, float], capacity: float
                 "label": f"{load:g}x", "load": load, "rate_per_s": rate,
                 "preemptions": sum(after[r]["preemptions"] - before[r]["preemptions"] for r in bases),
                 "requests": [
-                    {"sent_s": o.sent_s - started, "prompt_tokens": len(o.request.prompt),
+                    {"sent_s": round(o.sent_s - started, 5), "prompt_tokens": len(o.request.prompt),
                      "output_tokens": o.request.max_tokens, "cls": o.request.cls,
-                     "token_times": [t - started for t in o.token_times]}
+                     "token_times": [round(t - started, 5) for t in o.token_times]}
                     for o in outcomes
                 ],
                 "step_trace": {
