@@ -1,5 +1,5 @@
 """The autoscaling benchmark's world (``coserve.sim`` on the benchmark's engine) behaves like engines: overload
-queues, ample replicas serve, a full KV cache makes requests wait, decode steps slow down as the batch grows, and
+queues, ample replicas serve, a full KV cache preempts a request, decode steps slow down as the batch grows, and
 the queue-length rule reads what an HPA reads.
 
 No engine starts here: the world is coserve's pool simulator (pure Python, seconds).
@@ -34,12 +34,18 @@ def fixed_run(world: ModuleType, spec: Any, arrivals: Any, prefillers: int, deco
     return world.simulate("fixed", spec, arrivals, None, ARGS, fixed=Replicas(prefillers, decoders))
 
 
-def token_times(world: ModuleType, arrivals: Any, prefillers: int, decoders: int, **engine: Any) -> list[list[float]]:
-    """Each request's token times (from its arrival) on a fixed pool of ``World(**engine)``."""
+def served(world: ModuleType, arrivals: Any, prefillers: int, decoders: int, **engine: Any) -> Any:
+    """The simulated pool of ``World(**engine)``, fixed at ``prefillers`` + ``decoders``, after serving ``arrivals``."""
     spec = parse_pool(world.pool_spec([world.TraceRow(0.0, 1000, 100)], 1.0, world.WORLD)).spec
     sim = world.pool_sim(spec, arrivals, None, ARGS, world.World(**engine), fixed=Replicas(prefillers, decoders))
-    records = sim.run().records
-    return [[t - r.request.arrival_s for t in r.request.token_times] for r in records]
+    sim.run()
+    return sim
+
+
+def token_times(world: ModuleType, arrivals: Any, prefillers: int, decoders: int, **engine: Any) -> list[list[float]]:
+    """Each request's token times (from its arrival) on a fixed pool of ``World(**engine)``."""
+    sim = served(world, arrivals, prefillers, decoders, **engine)
+    return [[t - r.request.arrival_s for t in r.request.token_times] for r in sim.records]
 
 
 def test_a_pool_too_small_for_the_load_queues_and_misses_the_slo(world: ModuleType) -> None:
@@ -66,14 +72,19 @@ def test_ample_replicas_meet_the_slo(world: ModuleType) -> None:
     assert summary["replica_hours"] == pytest.approx(6 * 30 / 3600)
 
 
-def test_a_decoder_at_kv_capacity_makes_requests_wait(world: ModuleType) -> None:
+def test_a_decoder_at_kv_capacity_preempts_one_request_which_recomputes(world: ModuleType) -> None:
+    """vLLM's KV: both requests start (their 1,000-token prompts fit in 3,000 tokens of KV), decode together
+    until their blocks fill it, then the lower-ranked one is preempted and recomputes once there is room."""
     both = world.Arrivals("kv", [0.0, 0.0], [1000, 1000], [1000, 1000], 1.0, 1.0)  # 2,000 KV tokens each
     roomy = token_times(world, both, prefillers=2, decoders=1)
-    full = token_times(world, both, prefillers=2, decoders=1, kv_capacity_tokens=3000)
     assert max(times[1] for times in roomy) < min(times[-1] for times in roomy)  # they decode together
-    first, second = sorted(full, key=lambda times: times[-1])
-    assert second[1] >= first[-1]  # the second decodes only once the first has left
-    assert second[-1] > 1.9 * first[-1]
+    sim = served(world, both, prefillers=2, decoders=1, kv_capacity_tokens=3000)
+    first, second = sorted(([t - r.request.arrival_s for t in r.request.token_times] for r in sim.records),
+                           key=lambda times: times[-1])  # fmt: skip
+    assert second[1] < first[-1]  # no whole answer is reserved: the second starts beside the first
+    assert sum(engine.preemptions for engine in sim.by_name.values()) >= 1
+    assert len(first) == len(second) == 1000  # the preempted one loses no token
+    assert second[-1] > 1.4 * first[-1]  # it waits for room and recomputes
 
 
 def test_decode_steps_slow_down_as_the_batch_grows(world: ModuleType) -> None:
@@ -95,11 +106,17 @@ def step_s(world: ModuleType, pieces: list[tuple[int, int]]) -> float:
 
 
 def test_the_prefiller_batches_a_queue_into_chunked_steps_the_cost_model_times(world: ModuleType) -> None:
+    """15,000 prompt tokens in prefill steps of at most 8,192: the second step finishes both remaining prompts.
+    Each turn's KV then moves (its whole 16-token blocks short of the last token: 4,992 of 5,000) and the
+    decoder computes the 8-token tail and answers."""
     arrivals = world.Arrivals("chunks", [0.0] * 3, [5000] * 3, [10] * 3, 1.0, 1.0)
     first, second, third = sorted(times[0] for times in token_times(world, arrivals, prefillers=1, decoders=1))
-    # 15,000 tokens in steps of at most 8,192: the second step finishes both remaining prompts
-    assert first == pytest.approx(step_s(world, [(5000, 0), (3192, 0)]))
-    assert second == third == pytest.approx(first + step_s(world, [(1808, 3192), (5000, 0)]))
+    config = world.WORLD.config(1, 1)
+    move = 4992 * config.kv_bytes_per_token / config.kv_bandwidth_bytes_per_s
+    prefilled = step_s(world, [(5000, 0), (3192, 0)])
+    assert first == pytest.approx(prefilled + move + step_s(world, [(8, 4992)]))
+    assert second == third  # they left the prefiller in the same step
+    assert second > prefilled + step_s(world, [(1808, 3192), (5000, 0)]) + move
 
 
 def test_the_spec_references_the_profile_of_the_worlds_engine(world: ModuleType) -> None:
