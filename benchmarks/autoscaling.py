@@ -31,8 +31,8 @@ below) are played through it, each as a one-turn conversation:
   replica gets no new work, hands its not-yet-started requests back to the
   router and drains what it started (draining pods count as replica-hours).
 
-What the world does not model: preemption of running requests for KV (an
-engine admits conservatively instead), speculative decoding, CUDA graph
+What the world does not model: KV swapping to host memory (an engine that
+runs out of KV preempts and recomputes, as vLLM does), speculative decoding, CUDA graph
 padding, the API server's and the router's own latency, pod failures, and
 prefix reuse across requests (each trace row is its own conversation).
 
