@@ -263,7 +263,10 @@ async def test_the_operator_scales_on_a_load_step_holds_then_scales_down_and_hol
 
         exporter.rate = 6.0  # the load step (the model runs at 1.2 x 6 = 7.2/s)
         step = time.monotonic()
-        await eventually(lambda: watch() == (2, 6), "scale-up to the model's 2 prefillers and 6 decoders", 20)
+        try:
+            await eventually(lambda: watch() == (2, 6), "scale-up to the model's 2 prefillers and 6 decoders", 20)
+        except AssertionError as error:  # say where the replicas went, for a run that only fails now and then
+            raise AssertionError(f"{error}; replicas seen (prefillers, decoders): {seen}") from None
         up_after_s = time.monotonic() - step
         await eventually(lambda: events(kmock, "Scaled"), "a Scaled event")
         plateau = list(seen)
