@@ -206,6 +206,17 @@ def random_prompt(rng: random.Random, length: int, vocab: int = 1024) -> list[in
     return [rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(length)]
 
 
+def warm_up(base: str, lengths: tuple[int, ...] = (8, 200), timeout_s: float = 300.0) -> None:
+    """One short completion per prompt length at ``base`` (an engine or the router), before anything is timed:
+    vLLM's first steps of each shape, and a pool's first handoff, are slow."""
+    for length in lengths:
+        httpx.post(
+            f"{base}/v1/completions",
+            timeout=timeout_s,
+            json={"model": "tiny", "prompt": list(range(20, 20 + length)), "max_tokens": 4},
+        ).raise_for_status()
+
+
 async def stream_one(
     client: httpx.AsyncClient, base: str, request: BenchRequest, outcome: Outcome | None = None
 ) -> Outcome:

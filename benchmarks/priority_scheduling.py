@@ -59,7 +59,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 from _harness import (
     RESULTS,
     BenchRequest,
@@ -76,6 +75,7 @@ from _harness import (
     replay,
     say,
     trace_label,
+    warm_up,
     write_result,
 )
 
@@ -161,15 +161,6 @@ def workload(rows: list[TraceRow], rate: float, duration_s: float, seed: int) ->
         requests.append(
             BenchRequest(t, random_prompt(rng, prompt_len), output_len, CLASSES[cls_index]["name"], cls_index)
         )
-
-
-def warm_up(base: str) -> None:
-    for length in (8, 200):
-        httpx.post(
-            f"{base}/v1/completions",
-            timeout=300,
-            json={"model": "tiny", "prompt": list(range(20, 20 + length)), "max_tokens": 4},
-        ).raise_for_status()
 
 
 @dataclass

@@ -74,6 +74,7 @@ from _harness import (
     replay,
     reportable_percentile,
     say,
+    warm_up,
     write_result,
 )
 
@@ -499,12 +500,7 @@ def measure_engine_rung(model: Path, cost_model: dict[str, float], seed: int) ->
     with EngineServer(settings) as server:
         cores = affinity_of(server._process.pid) if server._process is not None else {}
         say(f"engine up; cores by process: {cores}")
-        for length in (8, 200):
-            httpx.post(
-                f"{server.base}/v1/completions",
-                timeout=300,
-                json={"model": "tiny", "prompt": list(range(20, 20 + length)), "max_tokens": 4},
-            ).raise_for_status()
+        warm_up(server.base)
         burst = measured_run(server.base, engine_requests(rows, BURST_REQUESTS, None, seed), "burst", trace)
         figures = figures_of(burst)
         capacity = figures["requests"] / figures["makespan_s"]
@@ -751,10 +747,7 @@ def measure_pool_rung(model: Path, cost_model: dict[str, float], capacity: float
             if router.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("pool rung: the router did not start")
             time.sleep(0.5)
-        for length in (64, 256):  # warm-up: both engines, the handoff, the router's connections
-            httpx.post(f"{base}/v1/completions", timeout=120,
-                       json={"model": "tiny", "prompt": list(range(20, 20 + length)), "max_tokens": 4},
-                       ).raise_for_status()  # fmt: skip
+        warm_up(base, (64, 256), timeout_s=120)  # both engines, the handoff, the router's connections
         for i, load in enumerate(POOL_LOADS):
             rate = load * capacity
             requests = engine_requests(rows, REQUESTS_PER_LOAD, rate, seed + 20 + i)
