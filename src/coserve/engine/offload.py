@@ -107,6 +107,7 @@ class _Tracked:
     saved: int = 0  # blocks from the start already copied out, held, or given up on
     remote_decode: bool = False  # a prefiller keeps its blocks for a decoder (the router asked: do_remote_decode)
     handoff_wait_since: float | None = None  # a decoder first looked for its handoff blocks and missed one
+    handoff_given_up: bool = False  # it waited handoff_wait_s and computes the rest
 
 
 def model_salt(*identity: object) -> bytes:
@@ -194,11 +195,11 @@ class OffloadPlanner:
         now = time.monotonic()
         if tracked.handoff_wait_since is None:
             tracked.handoff_wait_since = now
-        if now - tracked.handoff_wait_since < self.settings.handoff_wait_s:
+        if not tracked.handoff_given_up and now - tracked.handoff_wait_since < self.settings.handoff_wait_s:
             self.handoff_waits += 1
             return True
-        if tracked.handoff_wait_since != -1.0:
-            tracked.handoff_wait_since = -1.0  # given up: counted and logged once
+        if not tracked.handoff_given_up:  # counted and logged once
+            tracked.handoff_given_up = True
             self.handoff_misses += 1
             logger.warning(
                 "request %s: its prefiller's handoff blocks did not all appear in %s within %.1f s; the decoder "

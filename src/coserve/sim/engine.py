@@ -303,8 +303,9 @@ class SimEngine:
         decision = self.policy.decide([r.view(r.request_id in running) for r in candidates], self.env.now, free_slots)
         by_id = {r.request_id: r for r in candidates}
         chosen = [(by_id[i], a) for i in decision.order if (a := decision.allowances.get(i))]
+        preempted = self.preemptions
         scheduled = self._grow_running([(r, min(a, r.due)) for r, a in chosen if r.request_id in running])
-        if len(scheduled) < sum(r.request_id in running for r, _ in chosen):
+        if self.preemptions > preempted:
             return scheduled, decision  # vLLM starts no waiting request in a step that preempted
         for request, allowance in chosen:
             if request.request_id in running:
@@ -354,8 +355,7 @@ class SimEngine:
         return True
 
     def _blocks(self, tokens: int) -> int:
-        """KV tokens in the whole blocks that hold ``tokens`` tokens (one more for a prefiller's first token is
-        not needed: it emits it and leaves)."""
+        """KV tokens in the whole blocks that hold ``tokens`` tokens."""
         size = self.kv_block_tokens
         return -(-tokens // size) * size
 
