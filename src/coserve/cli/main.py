@@ -33,13 +33,11 @@ import yaml
 from coserve import __version__
 from coserve.api.crd import crd_manifest
 from coserve.api.problems import InvalidInput, Problem
-from coserve.api.profile import EngineProfile
 from coserve.api.resource import CoServePool
 from coserve.api.status import Plan
 from coserve.cli.bench import add_bench_command
-from coserve.cli.manifest import load_pool, load_profile, read_file
+from coserve.cli.manifest import load_planned
 from coserve.cli.simulate import add_simulate_command
-from coserve.provisioning import plan_for
 
 if TYPE_CHECKING:
     from coserve.engine.profiler import EngineDtype
@@ -162,7 +160,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         problems.append(Problem("--model", f"{args.model} is not a model folder"))
     if problems:
         raise InvalidInput(problems, source="coserve up")
-    pool, _, plan = _load(args)
+    pool, _, plan = load_planned(args.file, args.profile)
     _print_table(pool, plan, sys.stdout)
     from coserve.local import run_local_pool
 
@@ -354,19 +352,8 @@ def _add_profile_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(args: argparse.Namespace) -> tuple[CoServePool, EngineProfile | None, Plan]:
-    pool = load_pool(read_file(args.file))
-    measured = None
-    if args.profile is not None:
-        try:
-            measured = load_profile(read_file(args.profile))
-        except InvalidInput as error:
-            raise InvalidInput(error.problems, source=args.profile) from None
-    return pool, measured, plan_for(pool.spec, measured)
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
-    pool, _, plan = _load(args)
+    pool, _, plan = load_planned(args.file, args.profile)
     if args.output == "table":
         _print_table(pool, plan, sys.stdout)
     else:
@@ -382,7 +369,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_render(args: argparse.Namespace) -> int:
     from coserve.operator.resources import build_children  # the operator's own builder, same code path
 
-    pool, _, plan = _load(args)
+    pool, _, plan = load_planned(args.file, args.profile)
     objects = build_children(pool, plan)
     if args.output == "json":
         _dump({"apiVersion": "v1", "kind": "List", "items": objects}, "json", sys.stdout)

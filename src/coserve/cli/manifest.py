@@ -20,8 +20,18 @@ from coserve.api.parse import parse_pool, parse_profile
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import CoServePool
+from coserve.api.status import Plan
+from coserve.provisioning import plan_for
 
-__all__ = ["MAX_MANIFEST_BYTES", "load_documents", "load_pool", "load_profile", "read_file", "read_text"]
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "load_documents",
+    "load_planned",
+    "load_pool",
+    "load_profile",
+    "read_file",
+    "read_text",
+]
 
 # The API server refuses objects above ~1.5 MiB; a manifest anywhere near it is a mistake.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -180,3 +190,16 @@ def read_file(path: str) -> bytes:
             return handle.read(MAX_MANIFEST_BYTES + 1)
     except OSError as error:
         raise InvalidInput([Problem("", f"cannot be read: {error.strerror or error}")]) from None
+
+
+def load_planned(pool_file: str, profile_file: str | None) -> tuple[CoServePool, EngineProfile | None, Plan]:
+    """A pool manifest, the measured profile it may be given, and the plan for them: what ``coserve plan``,
+    ``render`` and ``simulate`` all start from. A bad profile is reported against its own file."""
+    pool = load_pool(read_file(pool_file))
+    measured = None
+    if profile_file is not None:
+        try:
+            measured = load_profile(read_file(profile_file))
+        except InvalidInput as error:
+            raise InvalidInput(error.problems, source=profile_file) from None
+    return pool, measured, plan_for(pool.spec, measured)

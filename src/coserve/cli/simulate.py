@@ -26,6 +26,7 @@ from typing import Any
 
 from coserve.api.problems import InvalidInput, Problem
 from coserve.cli.bench import add_workload_arguments, check_workload, workload_from
+from coserve.cli.manifest import load_planned
 
 __all__ = ["add_simulate_command"]
 
@@ -102,7 +103,6 @@ def add_simulate_command(commands: Any, add_profile_option: Any) -> None:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from coserve.autoscaling.policy import thresholds_for
-    from coserve.cli.main import _load  # the same pool + profile + plan loading as `coserve plan`
     from coserve.provisioning.profile import resolve_profile
     from coserve.scheduling import SlideConfig
     from coserve.scheduling.requests import ClassRegistry
@@ -126,7 +126,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         problems.append(Problem("--class-mix", "give --class or --class-mix, not both"))
     if problems:
         raise InvalidInput(problems, source="coserve simulate")
-    pool, measured, plan = _load(args)
+    pool, measured, plan = load_planned(args.file, args.profile)
     spec = pool.spec
     classes = ClassRegistry([c.model_dump(by_alias=True, exclude_none=True) for c in spec.priority_classes])
     mix = _class_mix(args, classes)

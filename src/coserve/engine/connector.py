@@ -121,8 +121,7 @@ class CoServeConnector(KVConnectorBase_V1):
         group = kv_cache_config.kv_cache_groups[0]
         block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         if role == KVConnectorRole.SCHEDULER:
-            from coserve.engine.scheduler import CONFIG_ENV
-            from coserve.scheduling.config import load_engine_config
+            from coserve.scheduling.config import CONFIG_ENV, load_engine_config
 
             config = load_engine_config(
                 extra.get("coserve_config") or os.environ.get(CONFIG_ENV),

@@ -20,6 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from coserve.scheduling.config import CONFIG_ENV
+
 __all__ = ["EngineServer", "EngineSettings"]
 
 
@@ -130,9 +132,9 @@ class EngineServer:
             "VLLM_CPU_CI_ENV": "1",
         }
         if self.settings.coserve:
-            env["COSERVE_CONFIG"] = str(config)
+            env[CONFIG_ENV] = str(config)
         else:
-            env.pop("COSERVE_CONFIG", None)
+            env.pop(CONFIG_ENV, None)
             env["VLLM_PLUGINS"] = ""  # an empty allow-list: vLLM loads no general plugin
         return env
 

@@ -40,7 +40,7 @@ from vllm.v1.request import RequestStatus
 from coserve.engine.connector import find_connector, find_metadata
 from coserve.engine.safepoint import PostedStep, SafepointBoard
 from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching
-from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
+from coserve.scheduling.config import CONFIG_ENV, EngineSchedulingConfig, load_engine_config
 from coserve.scheduling.requests import RequestClass
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ __all__ = ["TDGScheduler"]
 
 logger = logging.getLogger("coserve.engine.scheduler")
 
-CONFIG_ENV = "COSERVE_CONFIG"
 # A file to append one JSON line per step to (what ran, what the cost model predicted, how long it took);
 # unset: no trace. The simulator's fidelity benchmark reads it to see where served steps depart from the profile.
 STEP_TRACE_ENV = "COSERVE_STEP_TRACE"

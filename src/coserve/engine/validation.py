@@ -55,7 +55,7 @@ from typing import Any
 from coserve.engine.conversations import ConversationLog
 from coserve.engine.safepoint import SafepointBoard, board_name
 from coserve.scheduling import InvalidRequestClass, RunningStep, SchedRequest, should_preempt
-from coserve.scheduling.config import EngineSchedulingConfig, load_engine_config
+from coserve.scheduling.config import CONFIG_ENV, EngineSchedulingConfig, load_engine_config
 from coserve.scheduling.requests import ClassRegistry
 from coserve.token_file import TokenFile
 
@@ -207,7 +207,7 @@ class RequestClassValidator:
         self, app: ASGIApp, config: EngineSchedulingConfig | None = None, router_token: bytes | None = None
     ) -> None:
         self.app = app
-        self.config = config or load_engine_config(os.environ.get("COSERVE_CONFIG"), 2048)
+        self.config = config or load_engine_config(os.environ.get(CONFIG_ENV), 2048)
         self.classes: ClassRegistry = self.config.classes
         # a fixed token (tests, embedding), else the mounted Secret's file, re-read when it changes
         self.router_token = router_token

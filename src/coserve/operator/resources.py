@@ -57,6 +57,7 @@ from coserve.api.spec import (
 )
 from coserve.api.status import Plan
 from coserve.kv.handoff import Handoff, router_sends_transfer_params
+from coserve.scheduling.config import CONFIG_ENV
 
 __all__ = [
     "APP_NAME",
@@ -556,7 +557,7 @@ def _engine_env(spec: SpecModel, role: EngineRole) -> list[Manifest]:
     """The vLLM container's environment as the operator sets it (the user's env follows, see _engine_container)."""
     env = [
         {"name": "COSERVE_ROLE", "value": role},
-        {"name": "COSERVE_CONFIG", "value": ENGINE_CONFIG_PATH},
+        {"name": CONFIG_ENV, "value": ENGINE_CONFIG_PATH},
         {"name": "VLLM_PLUGINS", "value": "coserve"},
         _token_env(),
     ]

@@ -23,7 +23,11 @@ from coserve.scheduling.cost_model import StepCostModel
 from coserve.scheduling.requests import ClassRegistry
 from coserve.scheduling.slide_batching import SlideConfig
 
-__all__ = ["DEFAULT_CLASSES", "DEFAULT_COST_MODEL", "EngineSchedulingConfig", "load_engine_config"]
+__all__ = ["CONFIG_ENV", "DEFAULT_CLASSES", "DEFAULT_COST_MODEL", "EngineSchedulingConfig", "load_engine_config"]
+
+# The environment variable naming the engine's scheduling config file: the operator sets it in the engine
+# containers, `coserve.engine.launch` for local engines, and the scheduler, connector and validation read it.
+CONFIG_ENV = "COSERVE_CONFIG"
 
 DEFAULT_CLASSES: list[dict[str, Any]] = [
     {"name": "interactive", "weight": 10.0, "ttftSloMs": 1_000, "tpotSloMs": 100},
@@ -62,11 +66,11 @@ def load_engine_config(path: str | Path | None, max_tokens_per_step: int) -> Eng
         try:
             data = json.loads(Path(path).read_text())
         except OSError as error:
-            raise ValueError(f"COSERVE_CONFIG: cannot read {path}: {error.strerror or error}") from None
+            raise ValueError(f"{CONFIG_ENV}: cannot read {path}: {error.strerror or error}") from None
         except json.JSONDecodeError as error:
-            raise ValueError(f"COSERVE_CONFIG: {path} is not JSON: {error}") from None
+            raise ValueError(f"{CONFIG_ENV}: {path} is not JSON: {error}") from None
         if not isinstance(data, Mapping):
-            raise ValueError(f"COSERVE_CONFIG: {path} must hold a JSON object")
+            raise ValueError(f"{CONFIG_ENV}: {path} must hold a JSON object")
     return parse_engine_config(data, max_tokens_per_step)
 
 
