@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coserve.scheduling import SchedRequest, SlideBatching, SlideConfig, StepCostModel
-from sched_builders import COST, decoding, make_request
+from sched_builders import COST, REGISTRY, decoding, make_request
+from slide_reference import ReferenceSlideBatching
 
 POLICY = SlideBatching(COST, SlideConfig(max_tokens_per_step=512, urgency_factor=2.0, max_wait_s=30.0))
 
@@ -251,3 +252,26 @@ def test_with_an_offline_class_a_hopeless_online_request_goes_before_offline_wor
     decision = policy.decide([*offline, hopeless, standard], now_s=0.0)
     assert "hopeless" in decision.late_ids
     assert decision.order == ("standard", "hopeless", "bulk0", "bulk1", "bulk2")
+
+
+def _same_decision(policy: SlideBatching, reference: ReferenceSlideBatching, requests: list[SchedRequest],
+                   now: float, free_slots: int | None) -> None:  # fmt: skip
+    assert policy.decide(requests, now, free_slots) == reference.decide(requests, now, free_slots)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    requests=requests_strategy,
+    now=st.floats(0, 90),
+    free_slots=st.none() | st.integers(0, 8),
+    tokens=st.sampled_from([64, 512, 2048]),
+    factor=st.sampled_from([0.0, 0.5, 2.0, 8.0]),
+    offline=st.booleans(),
+)
+def test_the_pipeline_decides_exactly_as_the_function_it_replaced(
+    requests: list[SchedRequest], now: float, free_slots: int | None, tokens: int, factor: float, offline: bool
+) -> None:
+    config = SlideConfig(max_tokens_per_step=tokens, urgency_factor=factor, max_wait_s=30.0)
+    rank = REGISTRY.get("offline").rank if offline else None
+    _same_decision(SlideBatching(COST, config, rank), ReferenceSlideBatching(COST, config, rank), requests, now,
+                   free_slots)  # fmt: skip

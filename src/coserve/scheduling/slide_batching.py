@@ -117,89 +117,24 @@ class SlideBatching:
         ``free_slots``: how many waiting requests the engine can start this step (its running-request cap
         minus the requests running); ``None`` means no limit. A waiting request beyond them is not selected,
         so the step is one the engine can run: with every slot taken, only running requests are.
+
+        A pipeline of pure steps, each one decision (the module docstring's rules, in order): score every
+        request (1), promote the oldest starving one (5), sort the rest by urgency against the sliding
+        boundary (2), pick the critical top-class requests, order everything (3, 4), and size the step (6).
         """
         config = self.config
         if not requests:
             empty: frozenset[str] = frozenset()
             return StepDecision((), empty, {}, config.max_tokens_per_step, config.max_step_s, empty, empty, empty)
         scored = [self._score(r, now_s) for r in requests]
-        # Load = predicted time to drain every runnable request's next piece of work (each request's tokens
-        # attend to its own context: the cost model's attention term is per request).
-        load_s = self.cost_model.step_latency_s(
-            (s.request.remaining_prefill_tokens, s.request.num_computed_tokens) for s in scored
-        )
-        boundary_s = config.urgency_factor * load_s
-
-        waited = [
-            s
-            for s in scored
-            if not s.request.is_running
-            and s.request.num_output_tokens == 0
-            and now_s - s.request.arrival_s > config.max_wait_s
-        ]
-        waited.sort(key=lambda s: (s.request.arrival_s, s.request.request_id))
-        # Only the oldest starving request jumps the queue each step; the others keep their place.
-        promoted = waited[:1]
-        promoted_ids = {s.request.request_id for s in promoted}
-        rest = [s for s in scored if s.request.request_id not in promoted_ids]
-        late = [s for s in rest if s.slack_s < 0]
-        late_ids = {s.request.request_id for s in late}
-        on_time = [s for s in rest if s.request.request_id not in late_ids]
-        urgent = [s for s in on_time if s.slack_s < boundary_s]
-        urgent_ids = {s.request.request_id for s in urgent}
-        normal = [s for s in on_time if s.request.request_id not in urgent_ids]
-        # NOTE: a late request whose later tokens can still catch up competes by density with the urgent
-        # ones (behind everything it would starve under sustained load); one that can earn nothing more
-        # goes last, where promotion still bounds its wait.
-        recoverable = [s for s in late if s.value > 0]
-        # A running request that can earn nothing more still finishes (its decodes are cheap, and held back it
-        # would keep its KV and its client waiting); only waiting hopeless ones go last.
-        hopeless = [s for s in late if s.value <= 0 and not s.request.is_running]
-        normal += [s for s in late if s.value <= 0 and s.request.is_running]
-        # Critical: urgent top-class requests that miss their next deadline unless they run in this step. They
-        # go first, so the top class is served before its deadline whenever that is possible at all; density
-        # orders everything else. NOTE: measured at 1.4x overload (benchmarks/priority_scheduling.py --rate 5):
-        # density alone let 17% of the top class miss (a long top-class prompt earns less per second than short
-        # low-class ones); making every class's critical requests go first, class by class, cut the gain by a
-        # fifth (everyone served at the last moment, in small steps); this rule: top class 100%, most gain.
-        step_s = self.cost_model.latency_s(config.max_tokens_per_step, 0)
-        top_rank = min(s.request.cls.rank for s in scored)
-        critical = [s for s in urgent if s.slack_s < step_s and s.request.cls.rank == top_rank]
-        critical_ids = {s.request.request_id for s in critical}
-        critical.sort(key=lambda s: (s.request.cls.rank, -s.density, s.request.next_deadline_s, s.request.request_id))
-        by_density = sorted(
-            [s for s in urgent if s.request.request_id not in critical_ids] + recoverable,
-            key=lambda s: (-s.density, s.request.next_deadline_s, s.request.request_id),
-        )
-        by_deadline = sorted(
-            normal, key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id)
-        )
-        hopeless.sort(key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id))
-        # NOTE: an online request that missed its deadline by a whisker (a step that ran longer than predicted)
-        # earns nothing more, but behind offline work it waited until promotion (max_wait_s, 30 s by default);
-        # it goes before the offline class's work instead, and after every online request that can still earn.
-        if self.offline_rank is not None:
-            offline = self.offline_rank
-            ordered = (
-                promoted + critical + by_density
-                + [s for s in by_deadline if s.request.cls.rank != offline]
-                + [s for s in hopeless if s.request.cls.rank != offline]
-                + [s for s in by_deadline if s.request.cls.rank == offline]
-                + [s for s in hopeless if s.request.cls.rank == offline]
-            )  # fmt: skip
-        else:
-            ordered = promoted + critical + by_density + by_deadline + hopeless
-
-        slacks = [s.slack_s for s in urgent] + [s.slack_s for s in on_time if s.request.is_running]
-        time_budget_s = min(max(min(slacks, default=config.max_step_s), config.min_step_s), config.max_step_s)
+        promoted, rest = _promote_oldest_starving(scored, now_s, config.max_wait_s)
+        groups = _by_urgency(rest, config.urgency_factor * self._drain_s(scored))
+        critical, by_density = self._critical_first(groups, top_rank=min(s.request.cls.rank for s in scored))
+        ordered = self._ordered(promoted, critical, by_density, groups)
+        time_budget_s = _time_budget_s(groups, config)
         promoted_cap = max(1, math.ceil(config.promoted_share * config.max_tokens_per_step))
         caps = {s.request.request_id: promoted_cap for s in promoted}
-        token_budget = self._token_budget(ordered, time_budget_s, caps, free_slots)
-        # Never starve the step: the first request's work, or every urgent decode, always fits.
-        floor = max(
-            min(ordered[0].work_tokens, config.max_tokens_per_step), sum(1 for s in urgent if not s.request.in_prefill)
-        )
-        token_budget = min(max(token_budget, floor), config.max_tokens_per_step)
+        token_budget = self._step_tokens(ordered, groups, time_budget_s, caps, free_slots)
         allowances = _fill(ordered, token_budget, caps, free_slots)
         return StepDecision(
             order=tuple(s.request.request_id for s in ordered),
@@ -207,10 +142,78 @@ class SlideBatching:
             allowances=allowances,
             token_budget=token_budget,
             time_budget_s=time_budget_s,
-            urgent_ids=frozenset(urgent_ids),
-            promoted_ids=frozenset(promoted_ids),
-            late_ids=frozenset(late_ids),
+            urgent_ids=frozenset(s.request.request_id for s in groups.urgent),
+            promoted_ids=frozenset(s.request.request_id for s in promoted),
+            late_ids=frozenset(s.request.request_id for s in groups.late),
         )
+
+    def _drain_s(self, scored: Sequence[_Scored]) -> float:
+        """The load: predicted time to drain every runnable request's next piece of work (each request's tokens
+        attend to its own context: the cost model's attention term is per request)."""
+        return self.cost_model.step_latency_s(
+            (s.request.remaining_prefill_tokens, s.request.num_computed_tokens) for s in scored
+        )
+
+    def _critical_first(self, groups: _Urgency, top_rank: int) -> tuple[list[_Scored], list[_Scored]]:
+        """(critical, by density): the urgent top-class requests that miss their next deadline unless they run in
+        this step, then the other urgent requests and the recoverable late ones by density.
+
+        NOTE: measured at 1.4x overload (benchmarks/priority_scheduling.py --rate 5): density alone let 17% of
+        the top class miss (a long top-class prompt earns less per second than short low-class ones); making
+        every class's critical requests go first, class by class, cut the gain by a fifth (everyone served at
+        the last moment, in small steps); this rule: top class 100%, most gain.
+        """
+        step_s = self.cost_model.latency_s(self.config.max_tokens_per_step, 0)
+        critical = [s for s in groups.urgent if s.slack_s < step_s and s.request.cls.rank == top_rank]
+        critical_ids = {s.request.request_id for s in critical}
+        critical.sort(key=lambda s: (s.request.cls.rank, -s.density, s.request.next_deadline_s, s.request.request_id))
+        by_density = sorted(
+            [s for s in groups.urgent if s.request.request_id not in critical_ids] + groups.recoverable,
+            key=lambda s: (-s.density, s.request.next_deadline_s, s.request.request_id),
+        )
+        return critical, by_density
+
+    def _ordered(
+        self, promoted: list[_Scored], critical: list[_Scored], by_density: list[_Scored], groups: _Urgency
+    ) -> list[_Scored]:
+        """The step's order: promoted, critical, by density, then the normal ones by earliest deadline and the
+        hopeless ones last.
+
+        NOTE: an online request that missed its deadline by a whisker (a step that ran longer than predicted)
+        earns nothing more, but behind offline work it waited until promotion (max_wait_s, 30 s by default);
+        with an offline class it goes before that class's work instead, and after every online request that
+        can still earn.
+        """
+        by_deadline = sorted(
+            groups.normal, key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id)
+        )
+        hopeless = sorted(
+            groups.hopeless, key=lambda s: (s.request.next_deadline_s, -s.request.cls.weight, s.request.request_id)
+        )
+        if self.offline_rank is None:
+            return promoted + critical + by_density + by_deadline + hopeless
+        offline = self.offline_rank
+        return (
+            promoted + critical + by_density
+            + [s for s in by_deadline if s.request.cls.rank != offline]
+            + [s for s in hopeless if s.request.cls.rank != offline]
+            + [s for s in by_deadline if s.request.cls.rank == offline]
+            + [s for s in hopeless if s.request.cls.rank == offline]
+        )  # fmt: skip
+
+    def _step_tokens(
+        self,
+        ordered: Sequence[_Scored],
+        groups: _Urgency,
+        time_budget_s: float,
+        caps: dict[str, int],
+        free_slots: int | None,
+    ) -> int:
+        """The step's token budget: what fits in ``time_budget_s`` (``_token_budget``), never below the first
+        request's work or every urgent decode (the step is never starved), never above the step's cap."""
+        limit = self.config.max_tokens_per_step
+        floor = max(min(ordered[0].work_tokens, limit), sum(1 for s in groups.urgent if not s.request.in_prefill))
+        return min(max(self._token_budget(ordered, time_budget_s, caps, free_slots), floor), limit)
 
     def _token_budget(
         self, ordered: Sequence[_Scored], time_budget_s: float, caps: dict[str, int], free_slots: int | None
@@ -272,6 +275,62 @@ class SlideBatching:
         per_token_s = max(model.latency_s(1, context) - base_s, _MIN_WORK_S)
         density = value / (remaining_s + later * per_token_s)
         return _Scored(request, work_tokens, work_s, slack_s, value, density)
+
+
+@dataclass(frozen=True)
+class _Urgency:
+    """The requests not promoted, by urgency against the sliding boundary (``_by_urgency``)."""
+
+    late: list[_Scored]  # past their next deadline's slack
+    urgent: list[_Scored]  # on time, slack below the boundary
+    normal: list[_Scored]  # on time above the boundary, and late running ones that can earn nothing more
+    recoverable: list[_Scored]  # late, but their later tokens can still earn
+    hopeless: list[_Scored]  # late waiting ones that can earn nothing more
+    running_on_time: list[_Scored]  # on-time running requests (their slack bounds the step's time)
+
+
+def _promote_oldest_starving(
+    scored: Sequence[_Scored], now_s: float, max_wait_s: float
+) -> tuple[list[_Scored], list[_Scored]]:
+    """(promoted, rest): the oldest request that waited longer than ``max_wait_s`` for its first token jumps the
+    queue; the other starving ones keep their place this step."""
+    waited = [
+        s
+        for s in scored
+        if not s.request.is_running and s.request.num_output_tokens == 0 and now_s - s.request.arrival_s > max_wait_s
+    ]
+    waited.sort(key=lambda s: (s.request.arrival_s, s.request.request_id))
+    promoted = waited[:1]
+    promoted_ids = {s.request.request_id for s in promoted}
+    return promoted, [s for s in scored if s.request.request_id not in promoted_ids]
+
+
+def _by_urgency(rest: Sequence[_Scored], boundary_s: float) -> _Urgency:
+    """Late, urgent and normal requests against the sliding ``boundary_s``.
+
+    NOTE: a late request whose later tokens can still catch up competes by density with the urgent ones (behind
+    everything it would starve under sustained load); one that can earn nothing more goes last, where promotion
+    still bounds its wait. A running request that can earn nothing more still finishes (its decodes are cheap,
+    and held back it would keep its KV and its client waiting): it joins the normal ones.
+    """
+    late = [s for s in rest if s.slack_s < 0]
+    on_time = [s for s in rest if not s.slack_s < 0]
+    urgent = [s for s in on_time if s.slack_s < boundary_s]
+    normal = [s for s in on_time if not s.slack_s < boundary_s]
+    return _Urgency(
+        late=late,
+        urgent=urgent,
+        normal=normal + [s for s in late if s.value <= 0 and s.request.is_running],
+        recoverable=[s for s in late if s.value > 0],
+        hopeless=[s for s in late if s.value <= 0 and not s.request.is_running],
+        running_on_time=[s for s in on_time if s.request.is_running],
+    )
+
+
+def _time_budget_s(groups: _Urgency, config: SlideConfig) -> float:
+    """η: the smallest slack among the urgent and the on-time running requests, within [min_step_s, max_step_s]."""
+    slacks = [s.slack_s for s in groups.urgent] + [s.slack_s for s in groups.running_on_time]
+    return min(max(min(slacks, default=config.max_step_s), config.min_step_s), config.max_step_s)
 
 
 def _fill(
