@@ -67,6 +67,28 @@ class Capacities:
         return min(ranked, key=lambda item: (item[0], item[1]))[2]
 
 
+@dataclass(frozen=True)
+class _Sizing:
+    """Every number ``make_plan`` derives, in the order it derives them (``_size``); the plan and its
+    explanation are read from it."""
+
+    prefill_latency_s: float  # the mean over prompts at L_in
+    prefill_tps: float  # T_p
+    saturation_rate: float  # R*
+    kept: DecoderLoad  # the decoder load with idle conversations' KV kept
+    evicted: DecoderLoad  # ... and with it evicted or offloaded
+    load: DecoderLoad  # the cheaper of the two
+    prefillers: int  # M
+    pool_saturation: float  # M·R*
+    design_rate: float  # min(M·R*, headroom·R)
+    throughput_need: float  # decoders for throughput, before headroom
+    memory_need: float  # decoders for KV memory, before headroom
+    binding: Bottleneck
+    decoders: int  # N
+    capacities: Capacities
+    warnings: tuple[str, ...]
+
+
 def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
     """Size the pool described by ``spec`` with the engine speeds in ``profile``.
 
@@ -74,24 +96,49 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
     ``coserve.provisioning.validation.check_spec`` (a zero prefill latency or a KV
     cache smaller than one conversation would make this divide by zero).
     """
+    sized = _size(spec, profile)
+    load, rate = sized.load, spec.workload.arrival_rate_per_s
+    return Plan(
+        prefillers=sized.prefillers,
+        decoders=sized.decoders,
+        prefill_throughput_tokens_per_s=sized.prefill_tps,
+        saturation_rate_per_s=sized.saturation_rate,
+        pool_saturation_rate_per_s=sized.pool_saturation,
+        design_rate_per_s=sized.design_rate,
+        kv_slots_per_decoder=load.kv_slots,
+        decoders_per_prefiller=sized.saturation_rate * load.per_rate,
+        decoder_prefill_tokens=load.prefill_tokens,
+        prefill_weight=load.weight(profile.decode_throughput_tokens_per_s),
+        kv_held_s=load.kv_held_s,
+        idle_kv=load.idle_kv,
+        binding_constraint=sized.binding,
+        bottleneck=sized.capacities.first_bottleneck(),
+        utilization=PlanUtilization(
+            prefiller=rate / sized.pool_saturation,
+            decoder_throughput=rate * load.work_s / sized.decoders,
+            decoder_memory=rate * load.slot_s / sized.decoders,
+        ),
+        explanation=_explanation(spec, profile, sized),
+        warnings=list(sized.warnings),
+    )
+
+
+def _size(spec: SpecModel, profile: ResolvedProfile) -> _Sizing:
+    """The model's arithmetic: T_p and R*, M, the decoder load, the design rate, N, and the clamps."""
     workload = spec.workload
     rate = workload.arrival_rate_per_s
-    input_tokens = workload.input_tokens
-
-    spread = workload.input_tokens_std_dev
     # the mean of latency(L) over the prompts: the curve at the mean plus its quadratic term times the variance
-    prefill_latency_s = profile.prefill_latency.latency_s(input_tokens) + (
-        profile.prefill_latency.per_token_squared_s * spread**2
+    prefill_latency_s = profile.prefill_latency.latency_s(workload.input_tokens) + (
+        profile.prefill_latency.per_token_squared_s * workload.input_tokens_std_dev**2
     )
-    prefill_tps = input_tokens / prefill_latency_s
-    saturation_rate = prefill_tps / input_tokens
+    prefill_tps = workload.input_tokens / prefill_latency_s
+    saturation_rate = prefill_tps / workload.input_tokens
     kept, evicted = decoder_loads(workload, profile)
     # NOTE: both needs are linear in the rate, so the cheaper assumption about idle KV is the same at any rate
     load = evicted if evicted.per_rate < kept.per_rate else kept
 
     prefillers = max(1, _ceil(rate / saturation_rate))
-    pool_saturation = prefillers * saturation_rate
-    design_rate = min(pool_saturation, spec.headroom * rate)
+    design_rate = min(prefillers * saturation_rate, spec.headroom * rate)
     throughput_need = design_rate * load.work_s
     memory_need = design_rate * load.slot_s
     binding = Bottleneck.DECODER_THROUGHPUT if throughput_need >= memory_need else Bottleneck.DECODER_MEMORY
@@ -106,8 +153,7 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
         decoders = _clamp(
             "decoders", decoders, autoscaling.decoders.min_replicas, autoscaling.decoders.max_replicas, warnings
         )
-        pool_saturation = prefillers * saturation_rate
-
+    pool_saturation = prefillers * saturation_rate
     capacities = Capacities(
         prefiller_per_s=pool_saturation,
         decoder_throughput_per_s=decoders / load.work_s,
@@ -121,60 +167,46 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
             f"the prefillers ({_rate(pool_saturation)}): traffic above "
             "that rate would queue where the router cannot see it; raise spec.headroom or enable autoscaling"
         )
-    utilization = PlanUtilization(
-        prefiller=rate / pool_saturation,
-        decoder_throughput=rate * load.work_s / decoders,
-        decoder_memory=rate * load.slot_s / decoders,
-    )
-    explanation = [
-        f"prefill latency at L_in={input_tokens} tokens is {prefill_latency_s:.4g} s "
+    return _Sizing(prefill_latency_s, prefill_tps, saturation_rate, kept, evicted, load, prefillers,
+                   pool_saturation, design_rate, throughput_need, memory_need, binding, decoders, capacities,
+                   tuple(warnings))  # fmt: skip
+
+
+def _explanation(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) -> list[str]:
+    """The plan's arithmetic in words, one line per step, with the numbers that went in."""
+    workload, load = spec.workload, sized.load
+    rate, input_tokens, spread = workload.arrival_rate_per_s, workload.input_tokens, workload.input_tokens_std_dev
+    need = max(sized.throughput_need, sized.memory_need)
+    capacities = sized.capacities
+    return [
+        f"prefill latency at L_in={input_tokens} tokens is {sized.prefill_latency_s:.4g} s "
         + (
             f"(the mean over prompts of σ={spread:,.0f} tokens: latency(L_in) + perTokenSquaredS·σ²; "
             if spread > 0
             else "("
         )
         + f"profile.prefillLatency, {profile.source}), so one prefiller processes "
-        f"T_p = {input_tokens} / {prefill_latency_s:.4g} = {prefill_tps:,.0f} tokens/s",
-        f"one prefiller saturates at R* = T_p / L_in = {_rate(saturation_rate)} conversations/s",
-        f"prefillers M = ceil(R / R*) = ceil({_rate(rate)} / {_rate(saturation_rate)}) = {prefillers}"
-        f", saturating at M·R* = {_rate(pool_saturation)} conversations/s",
+        f"T_p = {input_tokens} / {sized.prefill_latency_s:.4g} = {sized.prefill_tps:,.0f} tokens/s",
+        f"one prefiller saturates at R* = T_p / L_in = {_rate(sized.saturation_rate)} conversations/s",
+        f"prefillers M = ceil(R / R*) = ceil({_rate(rate)} / {_rate(sized.saturation_rate)}) = {sized.prefillers}"
+        f", saturating at M·R* = {_rate(sized.pool_saturation)} conversations/s",
         f"one decoder holds B = floor({profile.kv_capacity_tokens} KV tokens / {profile.live_context_tokens} "
         f"live tokens per conversation) = {load.kv_slots} conversations",
-        f"decoders are sized for min(M·R*, headroom·R) = min({_rate(pool_saturation)}, "
-        f"{spec.headroom:g}·{_rate(rate)}) = {_rate(design_rate)} conversations/s",
+        f"decoders are sized for min(M·R*, headroom·R) = min({_rate(sized.pool_saturation)}, "
+        f"{spec.headroom:g}·{_rate(rate)}) = {_rate(sized.design_rate)} conversations/s",
         *([profile.decode_basis] if profile.decode_basis else []),
-        *explain_decoder_work(workload, profile, kept, evicted, load),
-        f"throughput needs R·(L_d + w·A) / T_d = {_rate(design_rate)}·({workload.output_tokens} + "
+        *explain_decoder_work(workload, profile, sized.kept, sized.evicted, load),
+        f"throughput needs R·(L_d + w·A) / T_d = {_rate(sized.design_rate)}·({workload.output_tokens} + "
         f"{load.weight(profile.decode_throughput_tokens_per_s):.3g}·{load.prefill_tokens:,.0f}) / "
-        f"{profile.decode_throughput_tokens_per_s:g} = {throughput_need:.3f} decoders; memory needs R·W_kv / B = "
-        f"{_rate(design_rate)}·{load.kv_held_s:.4g} / {load.kv_slots} = {memory_need:.3f} decoders; "
-        f"{binding.value} binds",
-        f"decoders N = ceil(headroom · {max(throughput_need, memory_need):.3f}) = "
-        f"ceil({spec.headroom:g} · {max(throughput_need, memory_need):.3f}) = {decoders}"
-        f" ({saturation_rate * load.per_rate:.3f} decoders per saturated prefiller before headroom)",
-        f"as load rises, {bottleneck.value} saturates first: prefillers at {_rate(capacities.prefiller_per_s)}, "
-        f"decoder throughput at {_rate(capacities.decoder_throughput_per_s)}, decoder memory at "
-        f"{_rate(capacities.decoder_memory_per_s)} conversations/s",
+        f"{profile.decode_throughput_tokens_per_s:g} = {sized.throughput_need:.3f} decoders; memory needs "
+        f"R·W_kv / B = {_rate(sized.design_rate)}·{load.kv_held_s:.4g} / {load.kv_slots} = "
+        f"{sized.memory_need:.3f} decoders; {sized.binding.value} binds",
+        f"decoders N = ceil(headroom · {need:.3f}) = ceil({spec.headroom:g} · {need:.3f}) = {sized.decoders}"
+        f" ({sized.saturation_rate * load.per_rate:.3f} decoders per saturated prefiller before headroom)",
+        f"as load rises, {capacities.first_bottleneck().value} saturates first: prefillers at "
+        f"{_rate(capacities.prefiller_per_s)}, decoder throughput at {_rate(capacities.decoder_throughput_per_s)}, "
+        f"decoder memory at {_rate(capacities.decoder_memory_per_s)} conversations/s",
     ]
-    return Plan(
-        prefillers=prefillers,
-        decoders=decoders,
-        prefill_throughput_tokens_per_s=prefill_tps,
-        saturation_rate_per_s=saturation_rate,
-        pool_saturation_rate_per_s=pool_saturation,
-        design_rate_per_s=design_rate,
-        kv_slots_per_decoder=load.kv_slots,
-        decoders_per_prefiller=saturation_rate * load.per_rate,
-        decoder_prefill_tokens=load.prefill_tokens,
-        prefill_weight=load.weight(profile.decode_throughput_tokens_per_s),
-        kv_held_s=load.kv_held_s,
-        idle_kv=load.idle_kv,
-        binding_constraint=binding,
-        bottleneck=bottleneck,
-        utilization=utilization,
-        explanation=explanation,
-        warnings=warnings,
-    )
 
 
 def explain_decoder_work(
