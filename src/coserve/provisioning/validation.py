@@ -20,10 +20,24 @@ _MIN_PREFILL_LATENCY_S = 1e-6
 
 
 def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
-    """Every semantic problem of ``spec`` with ``profile``; empty when the plan can be made."""
-    problems: list[Problem] = []
-    workload = spec.workload
+    """Every semantic problem of ``spec`` with ``profile``; empty when the plan can be made.
 
+    Each part of the spec is checked by its own function below, in the order the problems are reported; the
+    plan's size is checked only when nothing else is wrong (it needs a plan that can be made)."""
+    problems = [
+        *_profile_problems(spec, profile),
+        *_workload_problems(spec),
+        *_class_problems(spec, profile),
+        *_offload_problems(spec),
+        *_autoscaling_problems(spec),
+    ]
+    return problems or check_plan_limits(spec, profile)
+
+
+def _profile_problems(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
+    """A prefill latency too small to be seconds; a KV cache that cannot hold one conversation."""
+    problems = []
+    workload = spec.workload
     latency_s = profile.prefill_latency.latency_s(workload.input_tokens)
     if latency_s < _MIN_PREFILL_LATENCY_S:
         problems.append(
@@ -42,18 +56,28 @@ def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
                 "inputTokens + outputTokens)",
             )
         )
+    return problems
 
+
+def _workload_problems(spec: SpecModel) -> list[Problem]:
+    """Idle time between turns that does not fit in the conversation's lifetime."""
+    workload = spec.workload
     idle_total_s = (workload.turns - 1) * workload.idle_s
-    if idle_total_s >= workload.lifetime_s:
-        problems.append(
-            Problem(
-                "spec.workload.idleS",
-                f"(turns - 1)·idleS = {workload.turns - 1:g}·{workload.idle_s:g} = {idle_total_s:g} s is not below "
-                f"lifetimeS {workload.lifetime_s:g} s: a conversation's idle time between turns is part of its "
-                "lifetime, and it must run for some of it",
-            )
+    if idle_total_s < workload.lifetime_s:
+        return []
+    return [
+        Problem(
+            "spec.workload.idleS",
+            f"(turns - 1)·idleS = {workload.turns - 1:g}·{workload.idle_s:g} = {idle_total_s:g} s is not below "
+            f"lifetimeS {workload.lifetime_s:g} s: a conversation's idle time between turns is part of its "
+            "lifetime, and it must run for some of it",
         )
+    ]
 
+
+def _class_problems(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
+    """Duplicate class names, TTFT SLOs no prefill can meet, and an offline class that is not a class."""
+    problems = []
     names = [c.name for c in spec.priority_classes]
     for index, name in enumerate(names):
         if name in names[:index]:
@@ -75,16 +99,25 @@ def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
                 f"{spec.offline.class_name!r} is not one of spec.priorityClasses ({', '.join(names)})",
             )
         )
+    return problems
 
+
+def _offload_problems(spec: SpecModel) -> list[Problem]:
+    """A host KV pool switched on with no bytes."""
     offload = spec.kv_offload
     if offload.enabled and offload.backend is KVOffloadBackend.HOST and offload.host_memory_bytes == 0:
-        problems.append(
+        return [
             Problem(
                 "spec.kvOffload.hostMemoryBytes",
                 "is 0 while the host backend is enabled: give the host KV pool some bytes or disable kvOffload",
             )
-        )
+        ]
+    return []
 
+
+def _autoscaling_problems(spec: SpecModel) -> list[Problem]:
+    """Replica bounds the wrong way round; autoscaling with nowhere to read its signals."""
+    problems = []
     scaling = spec.autoscaling
     for role in ("prefillers", "decoders"):
         bounds = getattr(scaling, role)
@@ -97,9 +130,6 @@ def check_spec(spec: SpecModel, profile: ResolvedProfile) -> list[Problem]:
             )
     if scaling.enabled and scaling.prometheus_url is None:
         problems.append(Problem("spec.autoscaling.prometheusUrl", "is required when autoscaling is enabled"))
-
-    if not problems:
-        problems.extend(check_plan_limits(spec, profile))
     return problems
 
 
