@@ -22,11 +22,20 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coserve.api.problems import InvalidInput, Problem
 from coserve.cli.bench import add_workload_arguments, check_workload, workload_from
 from coserve.cli.manifest import load_planned
+
+if TYPE_CHECKING:
+    from coserve.api.profile import EngineProfile
+    from coserve.api.spec import SpecModel
+    from coserve.api.status import Plan
+    from coserve.provisioning.profile import ResolvedProfile
+    from coserve.scheduling import StepCostModel
+    from coserve.scheduling.requests import ClassRegistry
+    from coserve.sim import SimConfig
 
 __all__ = ["add_simulate_command"]
 
@@ -102,12 +111,56 @@ def add_simulate_command(commands: Any, add_profile_option: Any) -> None:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    """``coserve simulate``: check the flags, build the simulated pool from the manifest's plan, run it, report."""
     from coserve.autoscaling.policy import thresholds_for
-    from coserve.provisioning.profile import resolve_profile
-    from coserve.scheduling import SlideConfig
     from coserve.scheduling.requests import ClassRegistry
-    from coserve.sim import OfflineWork, PoolSim, SimConfig, coserve_scaler
+    from coserve.sim import PoolSim, coserve_scaler
 
+    problems = _flag_problems(args)
+    if problems:
+        raise InvalidInput(problems, source="coserve simulate")
+    pool, measured, plan = load_planned(args.file, args.profile)
+    spec = pool.spec
+    classes = ClassRegistry([c.model_dump(by_alias=True, exclude_none=True) for c in spec.priority_classes])
+    mix = _class_mix(args, classes)
+    cost, note = _cost_model(measured, spec)
+    config, profile = _sim_config(args, spec, measured, plan, cost, classes)
+    conversations = workload_from(args, lengths_only=True)
+    if not conversations:
+        raise InvalidInput([Problem("--trace", "the workload has no conversation")], source="coserve simulate")
+    rng = random.Random(args.seed)  # noqa: S311 - a reproducible class draw, not a secret
+    names, shares = zip(*mix.items(), strict=True)
+    class_of = {c.conversation_id: classes.get(rng.choices(names, shares)[0]) for c in conversations}
+    turns = sum(len(c.turns) for c in conversations)
+    sizing = "autoscaled from " if args.autoscale else ""
+    print(
+        f"coserve simulate: {len(conversations)} {args.workload} conversations ({turns} requests), classes "
+        f"{', '.join(f'{n} {v:.0%}' for n, v in mix.items())}; {sizing}{config.prefillers} prefillers + "
+        f"{config.decoders} decoders, {args.policy} placement; {note}",
+        file=sys.stderr,
+    )
+    scaler = coserve_scaler(spec, thresholds_for(spec), measured) if args.autoscale else None
+    started = time.perf_counter()
+    result = PoolSim(config, conversations, class_of, scaler=scaler).run()
+    report = summarize(result, time.perf_counter() - started, profile.decode_throughput_tokens_per_s)
+    report["plan"] = {"prefillers": plan.prefillers, "decoders": plan.decoders, "bottleneck": str(plan.bottleneck)}
+    report["setup"] = {"prefillers": config.prefillers, "decoders": config.decoders, "autoscale": args.autoscale,
+                       "policy": args.policy, "routing": args.routing, "classes": mix,
+                       "offline_concurrency": args.offline_concurrency, "cost_model": cost.to_dict(),
+                       "cost_model_source": note, "kv_capacity_tokens": int(profile.kv_capacity_tokens)}  # fmt: skip
+    if args.output == "json":
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_table(report)
+    if args.plot and not args.no_plot:
+        plot(Path(args.plot), result, report)
+    return 0
+
+
+def _flag_problems(args: argparse.Namespace) -> list[Problem]:
+    """Every flag of ``coserve simulate`` that is out of range or contradicts another (the workload's own
+    flags by ``check_workload``), each with its flag and a reason."""
     problems = check_workload(args)
     for flag, value in (("--prefillers", args.prefillers), ("--decoders", args.decoders),
                         ("--max-num-seqs", args.max_num_seqs), ("--offline-prompt", args.offline_prompt),
@@ -124,16 +177,24 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         problems.append(Problem("--startup", f"must not be negative, got {args.startup}"))
     if args.cls and args.class_mix:
         problems.append(Problem("--class-mix", "give --class or --class-mix, not both"))
-    if problems:
-        raise InvalidInput(problems, source="coserve simulate")
-    pool, measured, plan = load_planned(args.file, args.profile)
-    spec = pool.spec
-    classes = ClassRegistry([c.model_dump(by_alias=True, exclude_none=True) for c in spec.priority_classes])
-    mix = _class_mix(args, classes)
-    cost, note = _cost_model(measured, spec)
+    return problems
+
+
+def _sim_config(
+    args: argparse.Namespace,
+    spec: SpecModel,
+    measured: EngineProfile | None,
+    plan: Plan,
+    cost: StepCostModel,
+    classes: ClassRegistry,
+) -> tuple[SimConfig, ResolvedProfile]:
+    """(the simulated pool's ``SimConfig``, the resolved profile): the plan's replicas unless the flags give
+    them, the profile's KV and prefill curve, the offline work the flags ask for."""
+    from coserve.provisioning.profile import resolve_profile
+    from coserve.scheduling import SlideConfig
+    from coserve.sim import OfflineWork, SimConfig
+
     profile = resolve_profile(spec, measured)
-    prefillers = args.prefillers or plan.prefillers
-    decoders = args.decoders or plan.decoders
     curve = profile.prefill_latency
     offline = None
     if args.offline_concurrency:
@@ -142,8 +203,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         offline = OfflineWork(classes.get(spec.offline.class_name), args.offline_prompt, args.offline_output,
                               args.offline_concurrency)  # fmt: skip
     config = SimConfig(
-        prefillers=prefillers,
-        decoders=decoders,
+        prefillers=args.prefillers or plan.prefillers,
+        decoders=args.decoders or plan.decoders,
         cost_model=cost,
         kv_capacity_tokens=int(profile.kv_capacity_tokens),
         placement=args.policy,
@@ -158,37 +219,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         startup_s=args.startup,
         scale_interval_s=float(spec.autoscaling.evaluation_interval_s),
     )
-    conversations = workload_from(args, lengths_only=True)
-    if not conversations:
-        raise InvalidInput([Problem("--trace", "the workload has no conversation")], source="coserve simulate")
-    rng = random.Random(args.seed)  # noqa: S311 - a reproducible class draw, not a secret
-    names, shares = zip(*mix.items(), strict=True)
-    class_of = {c.conversation_id: classes.get(rng.choices(names, shares)[0]) for c in conversations}
-    turns = sum(len(c.turns) for c in conversations)
-    sizing = "autoscaled from " if args.autoscale else ""
-    print(
-        f"coserve simulate: {len(conversations)} {args.workload} conversations ({turns} requests), classes "
-        f"{', '.join(f'{n} {v:.0%}' for n, v in mix.items())}; {sizing}{prefillers} prefillers + {decoders} "
-        f"decoders, {args.policy} placement; {note}",
-        file=sys.stderr,
-    )
-    scaler = coserve_scaler(spec, thresholds_for(spec), measured) if args.autoscale else None
-    started = time.perf_counter()
-    result = PoolSim(config, conversations, class_of, scaler=scaler).run()
-    report = summarize(result, time.perf_counter() - started, profile.decode_throughput_tokens_per_s)
-    report["plan"] = {"prefillers": plan.prefillers, "decoders": plan.decoders, "bottleneck": str(plan.bottleneck)}
-    report["setup"] = {"prefillers": prefillers, "decoders": decoders, "autoscale": args.autoscale,
-                       "policy": args.policy, "routing": args.routing, "classes": mix,
-                       "offline_concurrency": args.offline_concurrency, "cost_model": cost.to_dict(),
-                       "cost_model_source": note, "kv_capacity_tokens": int(profile.kv_capacity_tokens)}  # fmt: skip
-    if args.output == "json":
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print_table(report)
-    if args.plot and not args.no_plot:
-        plot(Path(args.plot), result, report)
-    return 0
+    return config, profile
 
 
 def _class_mix(args: argparse.Namespace, classes: Any) -> dict[str, float]:
