@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from datetime import UTC, datetime
 from fractions import Fraction
@@ -649,3 +650,21 @@ def test_a_model_cache_size_creates_a_claim_that_then_only_grows() -> None:
     uncached = pool()
     actions = reconcile(with_status(uncached, observed), observed, LATER).actions
     assert not [a for a in actions if a.kind == "PersistentVolumeClaim"]
+
+
+def test_lightkubes_quantity_parser_still_departs_from_the_api_servers_grammar() -> None:
+    """Why ``coserve.operator.normalize`` parses quantities itself: when this fails, lightkube follows the
+    grammar (n and u suffixes, an E exponent, no Z/Y suffixes) and normalize can use it instead."""
+    from lightkube.utils.quantity import parse_quantity as lightkube_quantity
+
+    departs = []
+    for text in ("3n", "7u", "1E3"):
+        try:
+            lightkube_quantity(text)
+        except ValueError:
+            departs.append(text)
+    with contextlib.suppress(ValueError):
+        if lightkube_quantity("1Zi") is not None:
+            departs.append("1Zi")
+    assert parse_quantity("3n") is not None and parse_quantity("1E3") == 1000 and parse_quantity("1Zi") is None
+    assert departs, "lightkube's parser now follows the API server's quantity grammar: use it in normalize"

@@ -10,6 +10,14 @@ A kube-apiserver does not hand back the object it was sent byte for byte:
 
 This module says when a desired value and an observed one are the same value as
 the server stores it. It imports nothing but the standard library.
+
+NOTE: lightkube ships a quantity parser (``lightkube.utils.quantity``), and the
+operator depends on lightkube; it is not used here because it departs from the
+API server's grammar: it refuses the ``n`` and ``u`` suffixes, reads ``1E3`` as
+a bad suffix rather than 1000, and accepts ``Z``/``Y`` suffixes the server
+refuses (``tests/operator/test_reconcile.py`` checks that it still does, so
+the day it follows the grammar this module can use it). It would also bring
+lightkube's models into this pure module.
 """
 
 from __future__ import annotations
