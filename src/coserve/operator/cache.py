@@ -1,9 +1,10 @@
 """What the operator last saw of each pool and child, so a reconcile reads memory instead of the API server.
 
-Who calls it: ``coserve.operator.handlers``. kopf's watch events put every pool
-and every managed child (``app.kubernetes.io/managed-by: coserve-operator``)
-here; the reconciler puts the API server's answer to each of its own creates and
-patches here too (write-through), and reads the pool and its children from here.
+Who calls it: ``coserve.operator.handlers`` and ``coserve.operator.reconciler``.
+kopf's watch events put every pool and every managed child
+(``app.kubernetes.io/managed-by: coserve-operator``) here; the reconciler puts
+the API server's answer to each of its own creates and patches here too
+(write-through), and reads the pool and its children from here.
 Every ``resync_s`` the handlers list all pools and managed children and call
 ``replace`` so an event lost across a watch reconnect (a deletion above all)
 cannot leave a ghost behind for longer than one resync.
@@ -13,7 +14,7 @@ child it creates comes back as a watch event that triggers another reconcile.
 With the cache a reconcile of a pool in its desired state costs no request, and
 a watch event that only echoes the operator's own write (``observe`` returns
 ``False``) triggers nothing. A stale entry costs at most one wasted request: a
-create answered 409 (the handlers then read the object and reconcile again) or
+create answered 409 (the reconciler then reads the object and decides again) or
 a patch that changes nothing.
 
 Pure Python (no kopf, no HTTP): tested on its own.
@@ -22,7 +23,7 @@ Pure Python (no kopf, no HTTP): tested on its own.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +100,9 @@ class ObjectCache:
         """A point in time for ``replace``: take it just before sending the list request."""
         return next(self._stamps)
 
-    def replace(self, kind: str, listed: Iterable[Mapping[str, Any]], since: int, namespaces: set[str] | None) -> int:
+    def replace(
+        self, kind: str, listed: Iterable[Mapping[str, Any]], since: int, namespaces: Collection[str] | None
+    ) -> int:
         """Make ``kind`` match a fresh list; returns how many ghosts were dropped.
 
         ``listed`` is every object of ``kind`` in ``namespaces`` (``None``: all)

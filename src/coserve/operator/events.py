@@ -1,6 +1,6 @@
 """Kubernetes Events on CoServePools, aggregated the way Kubernetes' own controllers aggregate them.
 
-Who calls it: ``coserve.operator.handlers`` (the reconciler's decisions) and
+Who calls it: ``coserve.operator.reconciler`` (the reconciler's decisions) and
 ``coserve.operator.autoscaler`` (scaling and Prometheus trouble), through
 ``EventRecorder.post``.
 

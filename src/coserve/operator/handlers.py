@@ -1,8 +1,35 @@
-"""The kopf operator: handlers that feed ``coserve.operator.reconcile`` and carry out its decisions.
+"""The kopf operator: module-level handlers that feed ``coserve.operator.reconciler`` and keep its cache warm.
 
 Who calls it: ``coserve operator`` (``kopf.run`` with ``build_registry()``), and
 ``kopf run operator/main.py``, which registers the same handlers in kopf's
-default registry. Tests build a registry against kmock's Kubernetes emulator.
+default registry. Tests build one registry per operator they run against
+kmock's Kubernetes emulator.
+
+How the module is laid out, and why:
+
+- the handlers (``startup``, ``cleanup``, ``login``, ``pool_event``,
+  ``child_event``) are plain module-level ``async def``s that take the kwargs
+  they need plus ``**_``, as in kopf's examples;
+- ``build_registry`` registers them into a given ``kopf.OperatorRegistry``
+  (kopf's ``registry=`` on its decorators) rather than decorating them at import
+  time: every test runs its own operator, each with its own registry and
+  options, and importing this module registers nothing anywhere;
+- the options from the command line (``OperatorOptions``) reach ``startup`` as
+  kopf's ``param=``, so ``kopf.run``/``kopf.operator`` need no ``memo=``;
+  ``startup`` puts everything the handlers share in kopf's ``memo`` (below), and
+  kopf gives every handler that memo, or a shallow copy of it;
+- the one child handler is registered once per child kind, with the kind as
+  its ``param``.
+
+What ``startup`` puts in ``memo`` (it is set before any watch starts):
+
+- ``options``: the ``OperatorOptions``; ``config``: where the API server is and
+  how to log in (``options.cluster()``, called once);
+- ``cache``: the watch-fed ``ObjectCache``; ``wake``: an ``asyncio.Event`` set
+  when this replica starts leading (resync at once);
+- ``elector``: the ``LeaderElector``, or ``None`` for a single replica;
+- ``reconciler``: the ``PoolReconciler``; ``autoscaler``: the ``Autoscaler``;
+- ``tasks``: the background tasks ``cleanup`` cancels, latest first.
 
 When a reconcile runs (always the whole pool; triggers that arrive while one
 runs are coalesced into the next):
@@ -17,20 +44,7 @@ runs are coalesced into the next):
   so a child deleted or edited by hand is put back within a watch event. A
   watch event that only echoes the operator's own write triggers nothing.
 
-A reconcile reads the pool and its children from the watch-fed
-``ObjectCache`` (no request), reads the measured profile if
-``spec.profile.configMapRef`` names one, asks ``reconcile()`` what to do,
-re-reads the pool from the API server if that means creating something, creates
-or merge-patches children, writes the status (only if it changed) and posts the
-decision's Events. A pool in its desired state costs no request at all; a new
-one costs its creates, a status patch, its Events and one GET. The only child
-ever deleted is a PodDisruptionBudget the pool no longer asks for (only the
-object seen: its uid is the delete's precondition); owner references let the
-garbage collector remove the children with the pool, so no finalizer is added
-and deleting a pool never waits for the operator. A PersistentVolumeClaim
-resize the API server refuses (its storage class cannot expand) is a Warning
-event, not a failed reconcile.
-
+What one reconcile reads and writes is ``coserve.operator.reconciler``'s to say.
 Pools with ``spec.autoscaling.enabled`` are also evaluated by the autoscaler
 (``coserve.operator.autoscaler``) every ``evaluationIntervalS``, under the same
 per-pool lock as reconciles.
@@ -39,51 +53,45 @@ Two operator replicas never both act: they elect one through a
 ``coordination.k8s.io`` Lease (``coserve.operator.leader``; ``--lease NAME``, the
 default). Every replica watches and keeps its cache warm; only the Lease holder
 reconciles, resyncs, autoscales and posts Events. ``--standalone`` skips the
-election for a single replica.
+election for a single replica. ``@leader_only`` is the one gate for the
+handlers' side (``reconcile_pool``, ``resync``); the autoscaler asks the same
+``acting(memo)`` every tick.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import copy
+import functools
 import logging
 import os
-import secrets
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec
 
 import kopf
-import yaml
 from lightkube.config.kubeconfig import SingleConfig
 
 from coserve import __version__
-from coserve.api.parse import parse_profile
-from coserve.api.problems import InvalidInput, Problem
-from coserve.api.profile import EngineProfile
 from coserve.api.resource import GROUP, KIND, PLURAL, VERSION
 from coserve.operator.autoscaler import Autoscaler
 from coserve.operator.cache import ObjectCache
-from coserve.operator.events import EventRecorder
 from coserve.operator.kube import KubeClient, KubeError, NotLeading, describe, fetch_credential
 from coserve.operator.leader import LeaderElector, LeaseSettings
-from coserve.operator.metrics import (
-    CHILD_CHANGES,
-    POOLS,
-    RECONCILE_SECONDS,
-    RECONCILES,
-    forget_pool,
-    keep_pools,
-    observe_pool,
-)
-from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
-from coserve.operator.resources import CHILDREN, MANAGED_BY, MANAGED_BY_LABEL, TOKEN_KEY, child_keys
+from coserve.operator.metrics import POOLS, keep_pools
+from coserve.operator.reconciler import PoolReconciler
+from coserve.operator.resources import CHILDREN, MANAGED_BY, MANAGED_BY_LABEL
 
-__all__ = ["CHILD_RESOURCES", "DEFAULT_RESYNC_S", "PoolReconciler", "build_registry", "configure"]
+__all__ = [
+    "CHILD_RESOURCES",
+    "DEFAULT_RESYNC_S",
+    "OperatorOptions",
+    "PoolReconciler",
+    "build_registry",
+    "configure",
+    "leader_only",
+]
 
 DEFAULT_RESYNC_S = 30.0
 logger = logging.getLogger("coserve.operator")
@@ -101,231 +109,78 @@ CHILD_RESOURCES: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
     "PersistentVolumeClaim": ("", "persistentvolumeclaims"),
 }
+CHILD_KINDS = tuple(dict.fromkeys(kind for kind, _ in CHILDREN))  # the kinds a pool has children of, in order
+MANAGED_LABELS = {MANAGED_BY_LABEL: MANAGED_BY}  # the label selector of the children's watches and lists
+
+ClusterLoader = Callable[[], SingleConfig]
+P = ParamSpec("P")
 
 
-@dataclass
-class _Flight:
-    """Single-flight bookkeeping for one pool: concurrent triggers share a reconcile that starts after them."""
+@dataclass(frozen=True)
+class OperatorOptions:
+    """How this operator runs, fixed when its registry is built (``build_registry``'s arguments).
 
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    requested: int = 0  # triggers so far
-    covered: int = 0  # triggers the last finished reconcile covers (it started after all of them)
-    result: Reconciliation | None = None
-    error: BaseException | None = None
-
-
-class PoolReconciler:
-    """Reads a pool's world from the cache, calls the pure ``reconcile`` and applies its decision.
-
-    One per operator. Triggers for a pool that arrive while it is being
-    reconciled are coalesced: the next reconcile covers all of them, and each
-    caller gets the outcome (or the error) of a reconcile that started after it
-    asked, so kopf still retries a failed create and nothing is decided on a
-    view older than the trigger.
+    ``startup`` gets it as kopf's ``param`` and keeps it in ``memo.options``.
+    ``namespaces``: the ones kopf watches and the resync lists (``None``: every namespace).
     """
 
-    def __init__(
-        self,
-        kube: KubeClient,
-        *,
-        cache: ObjectCache | None = None,
-        image_tag: str | None = None,
-        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-    ) -> None:
-        self.kube = kube
-        self.events = EventRecorder(kube, clock=clock)
-        self.cache = cache if cache is not None else ObjectCache()
-        self.image_tag = image_tag
-        self.clock = clock
-        self._flights: dict[tuple[str, str], _Flight] = {}
-
-    async def reconcile(self, namespace: str, name: str) -> Reconciliation | None:
-        """Reconcile one pool; ``None`` when it is gone or being deleted."""
-        flight = self._flights.setdefault((namespace, name), _Flight())
-        flight.requested += 1
-        ticket = flight.requested
-        async with flight.lock:
-            if flight.covered >= ticket:  # a reconcile that started after this trigger has just finished
-                if flight.error is not None:
-                    raise flight.error
-                return flight.result
-            flight.covered = flight.requested
-            started = time.perf_counter()
-            try:
-                result = await self._reconcile(namespace, name)
-            except NotLeading as error:  # the Lease may expire before a write: skipped, not failed
-                flight.result, flight.error = None, error
-                raise
-            except Exception as error:
-                RECONCILES.labels("error").inc()
-                flight.result, flight.error = None, error
-                raise
-            finally:
-                RECONCILE_SECONDS.observe(time.perf_counter() - started)
-            flight.result, flight.error = result, None
-            if result is None:
-                self._flights.pop((namespace, name), None)
-                forget_pool(namespace, name)  # gone or being deleted: its series go with it
-            else:
-                RECONCILES.labels("ok" if result.plan_valid else "invalid").inc()
-            return result
-
-    def lock_for(self, namespace: str, name: str) -> asyncio.Lock:
-        """The pool's reconcile lock: the autoscaler holds it while it evaluates, so their writes never interleave."""
-        return self._flights.setdefault((namespace, name), _Flight()).lock
-
-    async def read_profile(
-        self, namespace: str, body: Mapping[str, Any]
-    ) -> tuple[EngineProfile | None, Problem | None]:
-        return await self._profile(namespace, body)
-
-    async def post_event(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
-        await self._post_event(namespace, pool, event)
-
-    async def _reconcile(self, namespace: str, name: str, attempts: int = 3) -> Reconciliation | None:
-        """Read (cache), decide, write; again from the top when a create shows the cache was behind.
-
-        Before creating anything the pool is read from the API server: a child's
-        deletion can be seen before its pool's, and a child created for a pool
-        that is gone would be an orphan. Patches need no such check.
-        """
-        fresh = False
-        for _ in range(attempts):
-            body = self.cache.get(KIND, namespace, name)
-            if body is None and not fresh:
-                body, fresh = await self._read_pool(namespace, name), True
-            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-                return None
-            keys = child_keys(name)
-            observed: dict[ChildKey, Mapping[str, Any] | None] = {
-                (kind, child): self.cache.get(kind, namespace, child) for kind, child in keys
-            }
-            profile, problem = await self._profile(namespace, body)
-            result = reconcile(
-                body,
-                observed,
-                self.clock(),
-                measured_profile=profile,
-                profile_problem=problem,
-                operator_image_tag=self.image_tag,
-            )
-            if not fresh and any(action.verb == "create" for action in result.actions):
-                fresh = True
-                if await self._read_pool(namespace, name) != body:
-                    continue  # the pool changed (or is gone): decide on what the API server holds
-            current, refusals = await self._apply(namespace, name, result)
-            if not current:
-                continue
-            if body.get("status") != result.status:
-                await self._write_status(namespace, name, result.status)
-            for event in (*result.events, *refusals):
-                await self._post_event(namespace, body, event)
-            observe_pool(namespace, name, body, result.status, observed)  # plan vs ready replicas, spec workload
-            return result
-        raise KubeError(409, "Conflict", f"{namespace}/{name}: the children kept changing during {attempts} reconciles")
-
-    async def _read_pool(self, namespace: str, name: str) -> Mapping[str, Any] | None:
-        """The pool as the API server has it now (the cache learns it too); ``None`` when it is gone."""
-        body = await self.kube.get(KIND, namespace, name)
-        if body is None:
-            self.cache.forget(KIND, namespace, name)
-        else:
-            self.cache.put(KIND, body)
-        return body
-
-    async def _apply(self, namespace: str, name: str, result: Reconciliation) -> tuple[bool, list[PoolEvent]]:
-        """Create, patch or delete the children.
-
-        ``False`` when the cache was behind (it is refreshed: decide again); with Warning events for the
-        changes the API server refused by policy (a PersistentVolumeClaim it cannot expand).
-        """
-        current = True
-        refusals: list[PoolEvent] = []
-        for action in result.actions:
-            try:
-                if action.verb == "create":
-                    written = await self.kube.create(action.kind, namespace, _with_generated(action.body))
-                elif action.verb == "delete":
-                    uid = (action.body.get("metadata") or {}).get("uid")
-                    await self._delete(namespace, action.kind, action.name, uid if isinstance(uid, str) else None)
-                    CHILD_CHANGES.labels(action.verb, action.kind).inc()
-                    logger.info("%s/%s: delete %s %s (%s)", namespace, name, action.kind, action.name, action.reason)
-                    continue
-                else:
-                    body = _with_generated(action.body) if action.kind == "Secret" else action.body
-                    written = await self.kube.merge_patch(action.kind, namespace, action.name, body)
-            except KubeError as error:
-                if action.kind == "PersistentVolumeClaim" and action.verb == "patch" and error.status in (403, 422):
-                    # NOTE: e.g. a storage class without allowVolumeExpansion; retrying at once would fail again
-                    message = f"{action.kind} {action.name} was not patched ({action.reason}): {error}"
-                    logger.warning("%s/%s: %s", namespace, name, message)
-                    refusals.append(PoolEvent("Warning", "ChildRefused", message))
-                    continue
-                if error.status not in (404, 409):
-                    raise
-                # 409 on create: it exists after all; 404 on patch: it is gone. Learn which, decide again.
-                found = await self.kube.get(action.kind, namespace, action.name)
-                if found is None:
-                    self.cache.forget(action.kind, namespace, action.name)
-                else:
-                    self.cache.put(action.kind, found)
-                current = False
-                continue
-            self.cache.put(action.kind, written)
-            CHILD_CHANGES.labels(action.verb, action.kind).inc()
-            logger.info("%s/%s: %s %s %s (%s)", namespace, name, action.verb, action.kind, action.name, action.reason)
-        return current, refusals
-
-    async def _delete(self, namespace: str, kind: str, name: str, uid: str | None) -> None:
-        """Delete the child seen with ``uid``; already gone is done (a 409: another object took the name)."""
-        try:
-            await self.kube.delete(kind, namespace, name, uid=uid)
-        except KubeError as error:
-            if error.status != 404:
-                raise
-        self.cache.forget(kind, namespace, name)
-
-    async def _post_event(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
-        await self.events.post(namespace, pool, event)
-
-    async def _write_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        # A merge patch replaces lists (conditions) whole; the status subresource keeps spec untouched.
-        try:
-            written = await self.kube.merge_patch(KIND, namespace, name, {"status": status}, subresource="status")
-            self.cache.put(KIND, written)
-        except KubeError as error:
-            if error.status != 404:  # 404: the pool was deleted meanwhile; nothing to report on
-                raise
-
-    async def _profile(self, namespace: str, body: Mapping[str, Any]) -> tuple[EngineProfile | None, Problem | None]:
-        """The measured profile ``spec.profile.configMapRef`` names, or why it cannot be used."""
-        ref = ((body.get("spec") or {}).get("profile") or {}).get("configMapRef")
-        if not isinstance(ref, Mapping) or not isinstance(ref.get("name"), str):
-            return None, None
-        path = "spec.profile.configMapRef"
-        key = ref.get("key", "profile.yaml")
-        config_map = await self.kube.get("ConfigMap", namespace, ref["name"])
-        if config_map is None:
-            return None, Problem(f"{path}.name", f"ConfigMap {ref['name']!r} not found in namespace {namespace}")
-        text = (config_map.get("data") or {}).get(key)
-        if not isinstance(text, str):
-            return None, Problem(f"{path}.key", f"ConfigMap {ref['name']!r} has no key {key!r}")
-        try:
-            return parse_profile(yaml.safe_load(text)), None
-        except yaml.YAMLError as error:
-            return None, Problem(f"{path}.key", f"{ref['name']}[{key}] is not YAML: {error}")
-        except InvalidInput as error:
-            return None, Problem(f"{path}.key", f"{ref['name']}[{key}]: " + "; ".join(map(str, error.problems)))
+    cluster: ClusterLoader
+    lease: LeaseSettings | None = None
+    scanning: bool = True
+    namespaces: frozenset[str] | None = None
+    resync_s: float = DEFAULT_RESYNC_S
+    image_tag: str = __version__
+    autoscale_tick_s: float = 1.0
 
 
-def _with_generated(body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A router-token Secret without a token gets a random one here (the pure layer renders none): a new Secret,
-    or a patch of one whose token was emptied or removed (reconcile's patch carries the token when it is good)."""
-    data = body.get("data") if isinstance(body.get("data"), Mapping) else {}
-    if body.get("kind") != "Secret" or (data or {}).get(TOKEN_KEY):
-        return body
-    token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
-    return {**body, "data": {**(data or {}), TOKEN_KEY: token}}
+def build_registry(
+    cluster: ClusterLoader,
+    *,
+    registry: kopf.OperatorRegistry | None = None,
+    lease: LeaseSettings | None = None,
+    scanning: bool = True,
+    namespaces: Sequence[str] | None = None,
+    resync_s: float = DEFAULT_RESYNC_S,
+    image_tag: str | None = None,
+    autoscale_tick_s: float = 1.0,
+) -> kopf.OperatorRegistry:
+    """Register coserve's handlers in ``registry`` (a new one by default); ``cluster`` says where the API server is.
+
+    Called once per operator, before ``kopf.run``/``kopf.operator`` starts it.
+    ``cluster`` is called at start-up; kopf's login handler and the operator's own
+    client both authenticate from what it returns (client certificates, token
+    files, exec plugins), and both fetch a fresh credential after a 401.
+    ``lease``: act only while holding this Lease (``None``: a single replica that
+    always acts). ``namespaces`` are the ones kopf watches (``None``: every
+    namespace); the resync lists pools and children there. ``image_tag`` defaults
+    to ``$COSERVE_IMAGE_TAG``, read now, else coserve's version.
+    """
+    registry = registry or kopf.OperatorRegistry()
+    options = OperatorOptions(
+        cluster=cluster,
+        lease=lease,
+        scanning=scanning,
+        namespaces=frozenset(namespaces) if namespaces else None,
+        resync_s=resync_s,
+        image_tag=image_tag if image_tag is not None else os.environ.get("COSERVE_IMAGE_TAG", __version__),
+        autoscale_tick_s=autoscale_tick_s,
+    )
+    kopf.on.startup(param=options, registry=registry)(startup)
+    kopf.on.cleanup(registry=registry)(cleanup)
+    kopf.on.login(registry=registry)(login)
+    kopf.on.event(GROUP, VERSION, PLURAL, id="pool", registry=registry)(pool_event)
+    for kind in CHILD_KINDS:
+        group, plural = CHILD_RESOURCES[kind]
+        kopf.on.event(
+            group=group,
+            version="v1",
+            plural=plural,
+            labels=MANAGED_LABELS,
+            id=f"child-{plural}",
+            param=kind,
+            registry=registry,
+        )(child_event)
+    return registry
 
 
 def configure(settings: kopf.OperatorSettings, *, scanning: bool = True) -> None:
@@ -346,195 +201,214 @@ def configure(settings: kopf.OperatorSettings, *, scanning: bool = True) -> None
     settings.peering.standalone = True
 
 
-ClusterLoader = Callable[[], SingleConfig]
+def acting(memo: kopf.Memo) -> bool:
+    """This replica acts: it holds the Lease, or it is the only replica (no elector)."""
+    elector: LeaderElector | None = memo.get("elector")
+    return elector is None or elector.is_leader
 
 
-def build_registry(
-    cluster: ClusterLoader,
-    *,
-    registry: kopf.OperatorRegistry | None = None,
-    lease: LeaseSettings | None = None,
-    scanning: bool = True,
-    namespaces: Sequence[str] | None = None,
-    resync_s: float = DEFAULT_RESYNC_S,
-    image_tag: str | None = None,
-    autoscale_tick_s: float = 1.0,
-) -> kopf.OperatorRegistry:
-    """Register coserve's handlers; ``cluster`` says where the API server is and how to log in.
+def leader_only(
+    fn: Callable[Concatenate[kopf.Memo, P], Awaitable[None]],
+) -> Callable[Concatenate[kopf.Memo, P], Awaitable[None]]:
+    """Run ``fn(memo, ...)`` only on the replica that acts; elsewhere it returns at once.
 
-    ``cluster`` is called at start-up; kopf's login handler and the operator's own
-    client both authenticate from what it returns (client certificates, token
-    files, exec plugins), and both fetch a fresh credential after a 401.
-    ``lease``: act only while holding this Lease (``None``: a single replica that
-    always acts). ``namespaces`` are the ones kopf watches (``None``: every
-    namespace); the resync lists pools and children there.
+    The one leader gate of this module: the kopf handlers call gated functions on
+    every replica (every replica keeps its cache warm), and only the Lease holder
+    gets past it. A write refused by the Lease fence (``NotLeading``: the Lease may
+    expire before it lands) ends ``fn`` quietly; the next leader acts.
     """
-    registry = registry or kopf.OperatorRegistry()
-    state: dict[str, Any] = {}
-    tag = image_tag if image_tag is not None else os.environ.get("COSERVE_IMAGE_TAG", __version__)
-    cache = ObjectCache()
-    scope = set(namespaces) if namespaces else None
-    child_kinds = tuple(dict.fromkeys(kind for kind, _ in CHILDREN))
-    wake = asyncio.Event()  # set when this replica starts leading: resync at once
 
-    def managed(body: Mapping[str, Any]) -> bool:
-        return ((body.get("metadata") or {}).get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY
-
-    def acting() -> bool:
-        elector: LeaderElector | None = state.get("elector")
-        return elector is None or elector.is_leader
-
-    def config() -> SingleConfig:
-        if "config" not in state:
-            state["config"] = cluster()
-        loaded: SingleConfig = state["config"]
-        return loaded
-
-    async def refresh(kube: KubeClient) -> None:
-        """List every pool and managed child: what a lost watch event hid (a deletion above all) shows up."""
-        for kind in (KIND, *child_kinds):
-            since = cache.mark()
-            selector = None if kind == KIND else f"{MANAGED_BY_LABEL}={MANAGED_BY}"
-            listed: list[dict[str, Any]] = []
-            for namespace in sorted(scope) if scope else [None]:
-                listed += await kube.list(kind, namespace, selector)
-            ghosts = cache.replace(kind, [b for b in listed if kind == KIND or managed(b)], since, scope)
-            if ghosts:
-                logger.info("resync: %d %s(s) gone without a watch event", ghosts, kind)
-        POOLS.set(len(cache.names(KIND)))
-        keep_pools(cache.names(KIND))  # pools deleted without a watch event lose their series
-
-    async def resync_forever() -> None:
-        # NOTE: a plain task rather than a kopf timer: kopf puts a finalizer on every object with a timer,
-        # and a finalizer would make deleting a pool wait for the operator.
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), resync_s)
-            wake.clear()
-            reconciler: PoolReconciler | None = state.get("reconciler")
-            if reconciler is None or not acting():
-                continue
-            try:
-                await refresh(reconciler.kube)
-            except KubeError as error:
-                logger.warning("resync: could not list pools and children (using the watch's view): %s", error)
-            for namespace, name in cache.names(KIND):
-                try:
-                    await run(namespace, name)
-                except kopf.TemporaryError as error:
-                    logger.warning("%s/%s: resync failed: %s", namespace, name, error)
-                except Exception:  # one bad pool must not stop the resync of the others
-                    logger.exception("%s/%s: resync failed", namespace, name)
-
-    @kopf.on.startup(registry=registry)
-    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        configure(settings, scanning=scanning)
-        logger.info("API server: %s", describe(config()))
-        # With a Lease, every call gets a timeout shorter than the margin between the renew deadline and
-        # the lease duration, and every write by the reconciler, the autoscaler and the event recorder is
-        # fenced: it is sent only while the Lease outlives the write's timeout (coserve.operator.leader).
-        kube = KubeClient(config(), timeout_s=lease.call_timeout) if lease is not None else KubeClient(config())
-        writer = kube
-        elector: LeaderElector | None = None
-        if lease is not None:
-            elector = LeaderElector(kube, lease, on_started_leading=wake.set)
-            writer = kube.fenced(elector.fence)
-        reconciler = PoolReconciler(writer, cache=cache, image_tag=tag)
-        state["reconciler"] = reconciler
-        if elector is not None:
-            state["elector"] = elector
-            state["leading"] = asyncio.create_task(elector.run())
-        else:
-            wake.set()
-        state["resync"] = asyncio.create_task(resync_forever())
-        autoscaler = Autoscaler(
-            writer,
-            cache,
-            read_profile=reconciler.read_profile,
-            post_event=reconciler.post_event,
-            lock_for=reconciler.lock_for,
-            acting=acting,
-        )
-        state["autoscaler"] = autoscaler
-        state["autoscaling"] = asyncio.create_task(autoscaler.run_forever(autoscale_tick_s))
-
-    @kopf.on.cleanup(registry=registry)
-    async def cleanup(**_: Any) -> None:
-        for key in ("autoscaling", "resync", "leading"):
-            task = state.pop(key, None)
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        elector: LeaderElector | None = state.pop("elector", None)
-        if elector is not None:
-            await elector.release()
-        autoscaler = state.pop("autoscaler", None)
-        if autoscaler is not None:
-            await autoscaler.close()
-        reconciler = state.pop("reconciler", None)
-        if reconciler is not None:
-            await reconciler.kube.close()
-
-    @kopf.on.login(registry=registry)
-    async def login(**_: Any) -> kopf.ConnectionInfo:
-        # Called at start-up and again after a 401 or at the credential's expiration: read it afresh.
-        credential = await fetch_credential(config())
-        return kopf.ConnectionInfo(
-            server=credential.server,
-            ca_path=credential.ca_path,
-            ca_data=credential.ca_data,
-            insecure=credential.insecure,
-            scheme="Bearer" if credential.token else None,
-            token=credential.token,
-            username=credential.username,
-            password=credential.password,
-            certificate_path=credential.certificate_path,
-            certificate_data=credential.certificate_data,
-            private_key_path=credential.private_key_path,
-            private_key_data=credential.private_key_data,
-            default_namespace=credential.namespace,
-            expiration=credential.expiration,
-        )
-
-    async def run(namespace: str | None, name: str | None) -> None:
-        reconciler: PoolReconciler | None = state.get("reconciler")
-        if reconciler is None or namespace is None or name is None or not acting():
+    @functools.wraps(fn)
+    async def gated(memo: kopf.Memo, /, *args: P.args, **kwargs: P.kwargs) -> None:
+        if not acting(memo):
             return
         try:
-            await reconciler.reconcile(namespace, name)
-        except NotLeading as error:  # the Lease may expire before the write lands: the next leader acts
-            logger.info("%s/%s: not leading, reconcile skipped: %s", namespace, name, error)
-        except KubeError as error:
-            raise kopf.TemporaryError(f"the API server refused a change: {error}", delay=5) from error
+            await fn(memo, *args, **kwargs)
+        except NotLeading as error:
+            logger.info("%s: not leading, %s skipped: %s", "/".join(map(str, args)), fn.__name__, error)
 
-    @kopf.on.event(GROUP, VERSION, PLURAL, id="pool", registry=registry)
-    async def pool_event(type: str | None, body: Mapping[str, Any], namespace: str | None, name: str | None,
-                         **_: Any) -> None:  # fmt: skip
-        # Every replica keeps its cache warm; only the leader acts. An echo of the operator's own status
-        # write changes nothing the reconcile reads but the status it wrote, so it decides nothing new.
-        changed = cache.observe(KIND, type, copy.deepcopy(dict(body)))
-        POOLS.set(len(cache.names(KIND)))
-        keep_pools(cache.names(KIND))  # a deleted pool loses its series
-        if changed and type != "DELETED" and not (body.get("metadata") or {}).get("deletionTimestamp"):
-            await run(namespace, name)
+    return gated
 
-    labels = {MANAGED_BY_LABEL: MANAGED_BY}
-    for kind in child_kinds:
-        group, plural = CHILD_RESOURCES[kind]
 
-        def handler(kind: str) -> Callable[..., Any]:
-            async def child_changed(type: str | None, body: Mapping[str, Any], namespace: str | None, **_: Any) -> None:
-                # An echo of the operator's own write changes nothing in the cache, and triggers nothing.
-                if not cache.observe(kind, type, copy.deepcopy(dict(body))):
-                    return
-                for owner in (body.get("metadata") or {}).get("ownerReferences") or []:
-                    if owner.get("kind") == KIND and owner.get("apiVersion", "").startswith(GROUP + "/"):
-                        await run(namespace, owner.get("name"))
+# --- kopf handlers --------------------------------------------------------------------------------------------
 
-            return child_changed
 
-        kopf.on.event(group=group, version="v1", plural=plural, labels=labels, id=f"child-{plural}", registry=registry)(
-            handler(kind)
-        )
+async def startup(
+    settings: kopf.OperatorSettings, memo: kopf.Memo, param: OperatorOptions | None = None, **_: Any
+) -> None:
+    """kopf calls it once, before any watch: configure kopf, build the clients, start the background tasks.
 
-    return registry
+    With a Lease, every call gets a timeout shorter than the margin between the renew deadline and the lease
+    duration, and every write by the reconciler, the autoscaler and the event recorder is fenced: it is sent
+    only while the Lease outlives the write's timeout (``coserve.operator.leader``).
+    """
+    if param is None:  # kopf's type for handlers makes param optional; build_registry always passes it
+        raise kopf.PermanentError("startup needs its OperatorOptions as param: register it with build_registry")
+    configure(settings, scanning=param.scanning)
+    memo.options = param
+    if "config" not in memo:  # loaded once per operator, even when kopf retries a failed start-up
+        memo.config = param.cluster()
+    logger.info("API server: %s", describe(memo.config))
+    memo.cache, memo.wake, memo.tasks = ObjectCache(), asyncio.Event(), []
+    lease = param.lease
+    kube = KubeClient(memo.config, timeout_s=lease.call_timeout) if lease is not None else KubeClient(memo.config)
+    writer = kube
+    memo.elector = None
+    if lease is not None:
+        memo.elector = LeaderElector(kube, lease, on_started_leading=memo.wake.set)
+        writer = kube.fenced(memo.elector.fence)
+    memo.reconciler = PoolReconciler(writer, cache=memo.cache, image_tag=param.image_tag)
+    if memo.elector is not None:
+        memo.tasks.append(asyncio.create_task(memo.elector.run()))
+    else:
+        memo.wake.set()
+    memo.tasks.append(asyncio.create_task(resync_forever(memo)))
+    memo.autoscaler = Autoscaler(
+        writer,
+        memo.cache,
+        read_profile=memo.reconciler.read_profile,
+        post_event=memo.reconciler.post_event,
+        lock_for=memo.reconciler.lock_for,
+        acting=functools.partial(acting, memo),
+    )
+    memo.tasks.append(asyncio.create_task(memo.autoscaler.run_forever(param.autoscale_tick_s)))
+
+
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """kopf calls it once, after every watch and handler has stopped: stop the tasks, release the Lease, close."""
+    for task in reversed(memo.pop("tasks", [])):  # autoscaling, resync, then the Lease's renewals
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    elector: LeaderElector | None = memo.pop("elector", None)
+    if elector is not None:
+        await elector.release()
+    autoscaler: Autoscaler | None = memo.pop("autoscaler", None)
+    if autoscaler is not None:
+        await autoscaler.close()
+    reconciler: PoolReconciler | None = memo.pop("reconciler", None)
+    if reconciler is not None:
+        await reconciler.kube.close()
+
+
+async def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """kopf calls it after start-up, and again after a 401 or at the credential's expiration: read it afresh."""
+    credential = await fetch_credential(memo.config)
+    return kopf.ConnectionInfo(
+        server=credential.server,
+        ca_path=credential.ca_path,
+        ca_data=credential.ca_data,
+        insecure=credential.insecure,
+        scheme="Bearer" if credential.token else None,
+        token=credential.token,
+        username=credential.username,
+        password=credential.password,
+        certificate_path=credential.certificate_path,
+        certificate_data=credential.certificate_data,
+        private_key_path=credential.private_key_path,
+        private_key_data=credential.private_key_data,
+        default_namespace=credential.namespace,
+        expiration=credential.expiration,
+    )
+
+
+async def pool_event(
+    type: str | None, body: Mapping[str, Any], namespace: str | None, name: str | None, memo: kopf.Memo, **_: Any
+) -> None:
+    """kopf calls it for every watch event of a pool, on every replica: cache it, reconcile if it is news.
+
+    An echo of the operator's own status write changes nothing the reconcile reads but the status it wrote,
+    so it decides nothing new.
+    """
+    cache: ObjectCache = memo.cache
+    changed = cache.observe(KIND, type, copy.deepcopy(dict(body)))
+    POOLS.set(len(cache.names(KIND)))
+    keep_pools(cache.names(KIND))  # a deleted pool loses its series
+    if changed and type != "DELETED" and not (body.get("metadata") or {}).get("deletionTimestamp"):
+        await reconcile_pool(memo, namespace, name)
+
+
+async def child_event(
+    type: str | None,
+    body: Mapping[str, Any],
+    namespace: str | None,
+    memo: kopf.Memo,
+    param: str | None = None,
+    **_: Any,
+) -> None:
+    """kopf calls it for every watch event of a managed child of kind ``param``: cache it, reconcile its pool.
+
+    An echo of the operator's own write changes nothing in the cache, and triggers nothing.
+    """
+    if param is None:  # kopf's type for handlers makes param optional; build_registry always passes it
+        raise kopf.PermanentError("child_event needs its child kind as param: register it with build_registry")
+    cache: ObjectCache = memo.cache
+    if not cache.observe(param, type, copy.deepcopy(dict(body))):
+        return
+    for owner in (body.get("metadata") or {}).get("ownerReferences") or []:
+        if owner.get("kind") == KIND and owner.get("apiVersion", "").startswith(GROUP + "/"):
+            await reconcile_pool(memo, namespace, owner.get("name"))
+
+
+# --- what the handlers and the resync task run on the leader --------------------------------------------------
+
+
+@leader_only
+async def reconcile_pool(memo: kopf.Memo, namespace: str | None, name: str | None) -> None:
+    """Reconcile one pool (``PoolReconciler.reconcile``); a refused change is retried by kopf."""
+    reconciler: PoolReconciler | None = memo.get("reconciler")
+    if reconciler is None or namespace is None or name is None:
+        return
+    try:
+        await reconciler.reconcile(namespace, name)
+    except KubeError as error:
+        raise kopf.TemporaryError(f"the API server refused a change: {error}", delay=5) from error
+
+
+async def resync_forever(memo: kopf.Memo) -> None:
+    """``startup``'s task, cancelled by ``cleanup``: a resync every ``resync_s``, and one when this replica leads.
+
+    NOTE: a plain task rather than a kopf timer: kopf puts a finalizer on every object with a timer,
+    and a finalizer would make deleting a pool wait for the operator.
+    """
+    wake: asyncio.Event = memo.wake
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), memo.options.resync_s)
+        wake.clear()
+        await resync(memo)
+
+
+@leader_only
+async def resync(memo: kopf.Memo) -> None:
+    """List every pool and managed child afresh, then reconcile every pool, one at a time."""
+    cache: ObjectCache = memo.cache
+    try:
+        await refresh(cache, memo.reconciler.kube, memo.options.namespaces)
+    except KubeError as error:
+        logger.warning("resync: could not list pools and children (using the watch's view): %s", error)
+    for namespace, name in cache.names(KIND):
+        try:
+            await reconcile_pool(memo, namespace, name)
+        except kopf.TemporaryError as error:
+            logger.warning("%s/%s: resync failed: %s", namespace, name, error)
+        except Exception:  # one bad pool must not stop the resync of the others
+            logger.exception("%s/%s: resync failed", namespace, name)
+
+
+async def refresh(cache: ObjectCache, kube: KubeClient, scope: frozenset[str] | None) -> None:
+    """List every pool and managed child: what a lost watch event hid (a deletion above all) shows up."""
+    for kind in (KIND, *CHILD_KINDS):
+        since = cache.mark()
+        selector = None if kind == KIND else f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+        listed: list[dict[str, Any]] = []
+        for namespace in sorted(scope) if scope else [None]:
+            listed += await kube.list(kind, namespace, selector)
+        ghosts = cache.replace(kind, [b for b in listed if kind == KIND or _managed(b)], since, scope)
+        if ghosts:
+            logger.info("resync: %d %s(s) gone without a watch event", ghosts, kind)
+    POOLS.set(len(cache.names(KIND)))
+    keep_pools(cache.names(KIND))  # pools deleted without a watch event lose their series
+
+
+def _managed(body: Mapping[str, Any]) -> bool:
+    return ((body.get("metadata") or {}).get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY

@@ -1,7 +1,7 @@
 """The operator's Kubernetes API access: credentials for kopf and coserve alike, and a dict-shaped client.
 
 Who calls it: ``coserve operator`` (``load_cluster`` once at start-up),
-``coserve.operator.handlers`` (kopf's login handler calls ``connection_info``;
+``coserve.operator.handlers`` (kopf's login handler calls ``fetch_credential``;
 the reconciler, the autoscaler, the event recorder and the leader elector use
 ``KubeClient``). Tests build a ``SingleConfig`` for a local server with
 ``config_for``.

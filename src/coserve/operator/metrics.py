@@ -1,7 +1,8 @@
 """The operator's Prometheus metrics (served on ``coserve operator --metrics-port``).
 
-Who updates them: ``coserve.operator.handlers`` after every reconcile (the per-pool series with
-``observe_pool``, removed with ``forget_pool`` and ``keep_pools`` when a pool goes),
+Who updates them: ``coserve.operator.reconciler`` after every reconcile (the per-pool series with
+``observe_pool``, removed with ``forget_pool`` when a pool goes), ``coserve.operator.handlers`` on
+every pool watch event and resync (``POOLS``, and ``keep_pools`` for pools gone unseen),
 ``coserve.operator.autoscaler`` after every evaluation.
 """
 

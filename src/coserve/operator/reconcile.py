@@ -1,9 +1,10 @@
 """The operator's decisions for one CoServePool, as plain data: what to create, what to patch, what status to write.
 
-Who calls it: the kopf handlers in ``coserve.operator.handlers`` on every
-create, update, resume, timer tick and child event. They read the pool and its
-children from the API server, call ``reconcile``, then carry out the actions,
-write the status and post the events. Everything that decides lives here and is
+Who calls it: ``coserve.operator.reconciler`` (``PoolReconciler``), for every
+trigger the kopf handlers in ``coserve.operator.handlers`` pass on (a pool or
+child watch event that is news, a resync, taking the Lease over). It reads the
+pool and its children from the watch-fed cache, calls ``reconcile``, then
+carries out the actions, writes the status and posts the events. Everything that decides lives here and is
 pure (no kopf, no Kubernetes client, no clock: ``now`` is an argument), so the
 decisions are tested table-driven without a cluster.
 
