@@ -124,52 +124,66 @@ def crd_manifest() -> dict[str, Any]:
 
 def _convert(node: JsonSchema, defs: Mapping[str, JsonSchema]) -> JsonSchema:
     """Recursively rewrite one JSON Schema node into its structural form."""
-    node = dict(node)
-    ref = node.pop("$ref", None)
-    if ref is not None:
-        target = copy.deepcopy(defs[ref.rsplit("/", 1)[-1]])
-        target.update(node)  # the description at the use site wins over the class docstring
-        node = target
-
+    node = _inline_ref(dict(node), defs)
     any_of = node.pop("anyOf", None)
     if any_of is not None:
-        branches = [b for b in any_of if b.get("type") != "null"]
-        types = {_convert(b, defs).get("type") for b in branches}
-        if types == {"integer", "string"}:
-            node["x-kubernetes-int-or-string"] = True
-            node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-            for branch in branches:  # string rules apply to strings only, so they can sit on the node
-                for key in ("pattern", "maxLength", "minimum"):
-                    if key in branch:
-                        node[key] = branch[key]
-        elif len(branches) == 1:
-            merged = _convert(branches[0], defs)
-            merged.update({k: v for k, v in node.items() if k not in merged or k == "description"})
-            node = merged
-        else:  # pragma: no cover - a model change that needs a new rule here
-            raise ValueError(f"cannot express anyOf {any_of!r} in a structural schema")
-
+        node = _resolve_any_of(node, any_of, defs)
     out: JsonSchema = {}
     for key, value in node.items():
-        if key in _DROPPED_KEYS:
-            continue
-        if key == "additionalProperties" and value is False:
-            continue
-        if key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
-            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
-            out[key] = True
-            continue
-        if key == "const":
-            out["enum"] = [value]
-            continue
-        if key == "properties":
-            out[key] = {name: _convert(sub, defs) for name, sub in value.items()}
-        elif key in ("items", "additionalProperties") and isinstance(value, dict):
-            out[key] = _convert(value, defs)
-        elif key == "default" and value is None:
-            continue
-        else:
-            out[key] = value
+        _convert_keyword(out, key, value, defs)
+    return _tidy(out)
+
+
+def _inline_ref(node: JsonSchema, defs: Mapping[str, JsonSchema]) -> JsonSchema:
+    """``node`` with its ``$ref``, if any, replaced by a copy of the definition it names."""
+    ref = node.pop("$ref", None)
+    if ref is None:
+        return node
+    target = copy.deepcopy(defs[ref.rsplit("/", 1)[-1]])
+    target.update(node)  # the description at the use site wins over the class docstring
+    return target
+
+
+def _resolve_any_of(node: JsonSchema, any_of: list[JsonSchema], defs: Mapping[str, JsonSchema]) -> JsonSchema:
+    """``node`` (its ``anyOf`` popped) as one structural node: an int-or-string, or its one non-null branch."""
+    branches = [b for b in any_of if b.get("type") != "null"]
+    types = {_convert(b, defs).get("type") for b in branches}
+    if types == {"integer", "string"}:
+        node["x-kubernetes-int-or-string"] = True
+        node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+        for branch in branches:  # string rules apply to strings only, so they can sit on the node
+            for key in ("pattern", "maxLength", "minimum"):
+                if key in branch:
+                    node[key] = branch[key]
+        return node
+    if len(branches) != 1:  # pragma: no cover - a model change that needs a new rule here
+        raise ValueError(f"cannot express anyOf {any_of!r} in a structural schema")
+    merged = _convert(branches[0], defs)
+    merged.update({k: v for k, v in node.items() if k not in merged or k == "description"})
+    return merged
+
+
+def _convert_keyword(out: JsonSchema, key: str, value: Any, defs: Mapping[str, JsonSchema]) -> None:
+    """Write one keyword of a node into ``out`` in its structural form, or drop it."""
+    if key in _DROPPED_KEYS or (key == "additionalProperties" and value is False):
+        return
+    if key == "default" and value is None:
+        return
+    if key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+        out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+        out[key] = True
+    elif key == "const":
+        out["enum"] = [value]
+    elif key == "properties":
+        out[key] = {name: _convert(sub, defs) for name, sub in value.items()}
+    elif key in ("items", "additionalProperties") and isinstance(value, dict):
+        out[key] = _convert(value, defs)
+    else:
+        out[key] = value
+
+
+def _tidy(out: JsonSchema) -> JsonSchema:
+    """The finishing touches of a converted node: the Kubernetes spelling of free-form maps, sorted ``required``."""
     if out.get("x-kubernetes-preserve-unknown-fields") and out.get("additionalProperties") is True:
         del out["additionalProperties"]  # free-form (a dict[str, Any]): structural schemas say it the Kubernetes way
     if "required" in out:

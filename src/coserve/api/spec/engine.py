@@ -1,0 +1,203 @@
+"""The vLLM engines: image, arguments, resources, per-role overrides, metrics scrapers and KV offload.
+
+``EngineSpec`` is ``spec.engine`` and ``KVOffloadSpec`` is ``spec.kvOffload``;
+``coserve.operator.resources`` renders the prefiller and decoder Deployments and the engines' config
+from them, and ``coserve.provisioning.validation`` checks the KV offload settings.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Self
+
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from coserve.api._base import ApiModel
+from coserve.api.spec._rules import _cel, _fail
+from coserve.api.spec.core import LabelValue, ResourceRequirements, Toleration, _label_key_problem
+from coserve.api.spec.pod_options import EnginePodOptions
+from coserve.api.spec.volumes import _mount_rule, _unnamed_volumes
+
+
+class RoleOverrides(EnginePodOptions):
+    """Settings of one role (prefiller or decoder), combined with the engine-wide ones: env, envFrom,
+    volumes, volumeMounts, imagePullSecrets and extraArgs come after the engine's (an entry with the name,
+    or mountPath, of an engine-wide one replaces it); podLabels and podAnnotations are merged over the
+    engine's; resources, serviceAccountName, priorityClassName and topologySpreadConstraints replace the
+    engine's when set."""
+
+    resources: ResourceRequirements | None = Field(
+        default=None,
+        description="resources replaces engine.resources for this role, so decoders can run on a cheaper "
+        "GPU tier than prefillers.",
+    )
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="nodeSelector places this role's pods on matching nodes."
+    )
+    tolerations: list[Toleration] | None = Field(
+        default=None, max_length=64, description="tolerations let this role's pods run on tainted nodes."
+    )
+    extra_args: list[str] | None = Field(
+        default=None,
+        max_length=256,
+        description="extraArgs are appended to engine.extraArgs for this role only.",
+    )
+
+
+_MAX_SCRAPER_LABELS = 16
+
+
+class ScraperPeer(ApiModel):
+    """A metrics scraper the engines admit on their port: one NetworkPolicy peer, by namespace and pod labels."""
+
+    pod_labels: dict[str, LabelValue] = Field(
+        min_length=1,
+        max_length=_MAX_SCRAPER_LABELS,
+        description="podLabels select the scraper's pods: every one of these labels (at least one).",
+    )
+    namespace_labels: dict[str, LabelValue] = Field(
+        min_length=1,
+        max_length=_MAX_SCRAPER_LABELS,
+        description="namespaceLabels select the namespaces the scraper's pods run in: every one of these labels "
+        "(at least one; {} would select every namespace). kubernetes.io/metadata.name: <namespace> names one "
+        "namespace; the API server sets that label on every namespace to its name.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names_both(cls, data: object) -> object:
+        if isinstance(data, dict):
+            missing = [
+                ((alias,), f"required field is missing: name the scraper's {what}", data)
+                for name, alias, what in (
+                    ("pod_labels", "podLabels", "pods by their labels"),
+                    ("namespace_labels", "namespaceLabels",
+                     "namespaces by their labels (kubernetes.io/metadata.name: <namespace> names one)"),
+                )
+                if name not in data and alias not in data
+            ]  # fmt: skip
+            if missing:
+                _fail(missing)
+        return data
+
+    @field_validator("pod_labels", "namespace_labels", mode="before")
+    @classmethod
+    def _selects_something(cls, value: object, info: ValidationInfo) -> object:
+        if isinstance(value, dict) and not value:
+            what = "pod" if info.field_name == "pod_labels" else "namespace"
+            raise ValueError(f"must name at least one label: an empty selector selects every {what}")
+        return value
+
+    @field_validator("pod_labels", "namespace_labels")
+    @classmethod
+    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
+        problems = [((key,), f"key: {reason}", key) for key in labels if (reason := _label_key_problem(key))]
+        if problems:
+            _fail(problems)
+        return labels
+
+
+_ENGINE_ROLES = ("prefiller", "decoder")
+
+
+class EngineSpec(EnginePodOptions):
+    """The vLLM engine that prefillers and decoders run."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            _mount_rule("self.volumeMounts", ["self.volumes"], ".volumeMounts"),
+            *(
+                _mount_rule(f"self.{role}.volumeMounts", [f"self.{role}.volumes", "self.volumes"],
+                            f".{role}.volumeMounts")
+                for role in _ENGINE_ROLES
+            ),
+        )
+    )  # fmt: skip
+
+    image: str = Field(
+        default="ghcr.io/coserve/vllm:0.1.0",
+        min_length=1,
+        max_length=512,
+        description="image is the serving image: vLLM 0.32 with the coserve engine plugin.",
+    )
+    image_pull_policy: str = Field(
+        default="IfNotPresent",
+        pattern="^(Always|IfNotPresent|Never)$",
+        description="imagePullPolicy is Always, IfNotPresent or Never.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="extraArgs are appended to the vLLM server's command line in every engine pod.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="tensorParallelSize is vLLM's --tensor-parallel-size."
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=lambda: ResourceRequirements(limits={"nvidia.com/gpu": 1}),
+        description="resources of each engine container; set nvidia.com/gpu to tensorParallelSize.",
+    )
+    prefiller: RoleOverrides = Field(
+        default_factory=RoleOverrides, description="prefiller holds overrides for the prefiller role."
+    )
+    decoder: RoleOverrides = Field(
+        default_factory=RoleOverrides, description="decoder holds overrides for the decoder role."
+    )
+    metrics_scrapers: list[ScraperPeer] = Field(
+        default_factory=list,
+        max_length=16,
+        description="metricsScrapers may reach the engines' port. By default nobody may but the pool's own pods "
+        "(router, prefillers, decoders), which the pool's NetworkPolicy admits on any port. Each scraper names its "
+        "namespaces and its pods by labels, for example namespaceLabels {kubernetes.io/metadata.name: monitoring} "
+        "and podLabels {app.kubernetes.io/name: prometheus}; autoscaling's engine signals need the Prometheus that "
+        "collects them listed here. vLLM serves /metrics on its API port, so a scraper can also send requests, "
+        "which the engines serve at the lowest class without the router's token.",
+    )
+    drain_timeout_s: int = Field(
+        default=300,
+        ge=0,
+        le=86_400,
+        description="drainTimeoutS is how long a leaving engine (a scale-down, a rollout, a node drain) may take "
+        "to finish its in-flight requests after the router stops sending it new conversations; its live "
+        "conversations move to another decoder at their next turn. The pod is deleted when it is idle or this "
+        "bound passes.",
+    )
+
+    @model_validator(mode="after")
+    def _mounts_name_volumes(self) -> Self:
+        problems = [
+            (("volumeMounts", *loc), reason, value)
+            for loc, reason, value in _unnamed_volumes(self.volume_mounts, self.volumes)
+        ]
+        for role in _ENGINE_ROLES:
+            overrides: RoleOverrides = getattr(self, role)
+            problems += [
+                ((role, "volumeMounts", *loc), reason, value)
+                for loc, reason, value in _unnamed_volumes(overrides.volume_mounts, overrides.volumes, self.volumes)
+            ]
+        if problems:
+            _fail(problems)
+        return self
+
+
+class KVOffloadBackend(StrEnum):
+    HOST = "host"
+    LMCACHE = "lmcache"
+    NATIVE = "native"
+
+
+class KVOffloadSpec(ApiModel):
+    """Offload of KV cache to host memory, so preempted and idle conversations keep their KV."""
+
+    enabled: bool = Field(default=False, description="enabled turns KV offload on in every engine.")
+    backend: KVOffloadBackend = Field(
+        default=KVOffloadBackend.HOST,
+        description="backend is host (coserve's connector), lmcache (LMCache, GPU only) or native "
+        "(vLLM's offloading connector, GPU only).",
+    )
+    host_memory_bytes: int = Field(
+        default=8 * 2**30,
+        ge=0,
+        le=2**50,
+        description="hostMemoryBytes is the hard bound of each engine's host KV pool, in bytes.",
+    )
