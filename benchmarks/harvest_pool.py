@@ -43,7 +43,7 @@ import aiohttp
 import httpx
 from _harness import bench_model, measured_cost_model, say, write_result
 
-import coserve.router.app as router_app
+import coserve.router.offline as router_offline
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.kv.handoff import Handoff, router_sends_transfer_params
 from coserve.router.app import build_app
@@ -190,9 +190,9 @@ def main() -> int:
                     "kvTransferParams": router_sends_transfer_params(Handoff.SHM),
                 }  # fmt: skip
                 patch = (
-                    mock.patch.object(router_app, "place_offline", through_the_online_placement)
+                    mock.patch.object(router_offline, "place_offline", through_the_online_placement)
                     if arm == "placement"
-                    else mock.patch.object(router_app, "place_offline", place_offline)
+                    else mock.patch.object(router_offline, "place_offline", place_offline)
                 )
                 with patch:
                     router = Served(build_app(parse_router_config(router_config)))

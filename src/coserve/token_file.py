@@ -1,7 +1,7 @@
 """The pool's router token, as its mounted Secret file holds it now: re-read when the file changes.
 
 Who calls it: ``coserve.engine.validation.RequestClassValidator`` (engines check the token on every
-request) and ``coserve.router.app.Router`` (the router sends it). The operator keeps the Secret's
+request) and ``coserve.router.upstream.Upstream`` (the router sends it). The operator keeps the Secret's
 ``token`` key (it regenerates an emptied or missing one); the kubelet updates a mounted Secret in place,
 swapping the file behind a symlink. A file that is re-read only at start-up would leave every running
 pod on the old token: routers silently demoted, their conversation lookups refused.

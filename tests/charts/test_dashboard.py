@@ -74,10 +74,10 @@ def engine_registry() -> CollectorRegistry:
 
 def test_every_metric_a_panel_reads_is_exported() -> None:
     import coserve.operator.metrics  # noqa: F401 - registers the operator's metrics in the default registry
-    from coserve.router.app import _Metrics
+    from coserve.router.metrics import RouterMetrics
 
     ours = (
-        exported(_Metrics().registry, "coserve_router_")
+        exported(RouterMetrics().registry, "coserve_router_")
         | exported(REGISTRY, "coserve_operator_")
         | exported(engine_registry(), "coserve:")
     )

@@ -7,7 +7,7 @@ it: ``coserve.engine.validation.RequestClassValidator``, in the engine's API
 server, records the conversation of every request the pool's router sends
 (``X-Coserve-Conversation``) and answers the routers' lookups
 (``POST /coserve/v1/conversations:lookup``). Routers ask only for conversations
-they hold no pin for; see ``coserve.router.app``.
+they hold no pin for; see ``coserve.router.placement``.
 
 Plain data: ``now_s`` is an argument (a monotonic clock of the engine's own), and
 answers give ages, so router and engine clocks never meet. Entries expire after

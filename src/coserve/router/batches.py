@@ -1,8 +1,9 @@
 """OpenAI-style offline batches: upload a JSONL file, create a batch, and the router runs it on spare capacity.
 
 Who calls it: ``coserve.router.app`` mounts the routes (``/v1/files``,
-``/v1/batches``) when the config names a ``batchDir``, and starts one
-``BatchRunner``. Everything is persisted under ``batchDir`` (a local directory
+``/v1/batches``: ``coserve.router.routes``) when the config names a ``batchDir``,
+and starts one ``BatchRunner`` (its lines run through ``coserve.router.offline``).
+Everything is persisted under ``batchDir`` (a local directory
 in the local pool, a volume in Kubernetes): ``files/<id>.jsonl`` with
 ``<id>.json`` metadata; ``batches/<id>.json``, the batch's state, and
 ``batches/<id>.progress``, its request counts while it runs.

@@ -1,9 +1,10 @@
 """The router's JSON on the request path: ``json``'s results, computed by orjson wherever they are the same.
 
-Who calls it: ``coserve.router.app``, for every request body it reads, every body it sends an engine and
-every answer it reads the usage of. orjson parses and writes a request several times faster than the
-standard library (profiled: about a tenth of the router's CPU per request went to ``json``), but it does
-not accept everything ``json`` does, and reads some things differently. So:
+Who calls it: the router (``coserve.router.admission``, ``coserve.router.upstream``), for every request
+body it reads, every body it sends an engine and every answer it reads the usage of. orjson parses and
+writes a request several times faster than the standard library (profiled: about a tenth of the router's
+CPU per request went to ``json``), but it does not accept everything ``json`` does, and reads some things
+differently. So:
 
 - ``loads`` gives exactly what ``json.loads`` gives, and raises what it raises: orjson parses strict
   JSON (RFC 8259, UTF-8) without a run of 19 or more digits (orjson reads an integer beyond 64 bits as a

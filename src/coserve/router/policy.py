@@ -1,8 +1,9 @@
 """The router's decisions, as plain data: which conversation a request belongs to, where it goes, at what class.
 
-Who calls it: ``coserve.router.app`` once per request (``conversation_id``,
-``resolve_class``, ``PinTable``, ``choose_decoder``) and the engine poller once
-per poll (``EngineLoad``). Nothing here does I/O or reads a clock: ``now`` is
+Who calls it: the router once per request (``coserve.router.admission``:
+``conversation_id``, ``resolve_class``; ``coserve.router.placement``: ``PinTable``,
+``choose_decoder``) and its engine poller once per poll (``coserve.router.engines``:
+``EngineLoad``). Nothing here does I/O or reads a clock: ``now`` is
 an argument, so every rule is tested table-driven.
 
 Rules:

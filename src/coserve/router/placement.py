@@ -1,0 +1,248 @@
+"""Where a request goes: its conversation's pin, found or made, the decoder and the prefiller it uses.
+
+Who calls it: ``coserve.router.app.Router.handle`` once per admitted request (``route``),
+``coserve.router.offline`` for batch lines that take the online placement (``route``, ``forward_failed``),
+and the router's poller after each refresh (``expire``). The choices themselves are
+``coserve.router.policy``'s (``PinTable``, ``choose_decoder``, ``choose_for_request``); the requests are
+``coserve.router.upstream``'s.
+
+A request's path (``placement: conversation``, the default):
+
+1. its conversation is pinned to a decoder already in this replica's pin table, or, when this replica holds
+   no pin and the request may continue an earlier turn, it is found by asking the decoders which holds it
+   (``find_pin``): every decoder records the conversations the router sends it, so a turn lands on its
+   decoder whatever router replica it reaches and however many replicas restarted;
+2. otherwise it is placed now (turn 1, or a re-placement when the pinned decoder is gone): with prefillers,
+   the prompt is prefilled on one so the decoder loads its KV instead of computing it; then it is pinned to
+   the decoder with the lowest KV occupancy;
+3. it is forwarded to its decoder. A decoder that fails before anything was sent to the client has the
+   request retried once on another decoder, re-placing and re-pinning that conversation alone. The failure
+   is counted; a decoder is down and its conversations lose their pins only after ``pinDropFailures``
+   failures in a row within ``pinDropWindowS`` (an answered request resets the count).
+
+``placement: turn`` places every turn as a new conversation; ``placement: request`` pins nothing and sends
+each request to the least-occupied decoder (the baselines).
+
+Counted once across replicas: a conversation is new (``conversations_total``, its turn-1 prompt in
+``conversation_input_tokens``) only on the replica that placed it, and only that replica reports its
+lifetime (W) when it ends (``expire``), after asking the decoder when the conversation was last served by any
+replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from starlette.responses import Response
+
+from coserve.router.admission import error_response
+from coserve.router.config import RouterConfig
+from coserve.router.engines import Engines
+from coserve.router.metrics import RouterMetrics
+from coserve.router.policy import (
+    PROMPT_PREFIX_CHARS,
+    PROMPT_PREFIX_TOKENS,
+    EngineLoad,
+    Pin,
+    PinTable,
+    choose_decoder,
+    choose_for_request,
+)
+from coserve.router.upstream import Unavailable, Upstream
+
+logger = logging.getLogger("coserve.router")
+
+
+def endpoint_path(endpoint: str) -> str:
+    """The engines' path for an endpoint (``chat`` or ``completions``)."""
+    return "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+
+
+class Placement:
+    """Pins conversations to decoders and sends each request where its conversation lives."""
+
+    def __init__(
+        self, config: RouterConfig, engines: Engines, upstream: Upstream, pins: PinTable, metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.engines = engines
+        self.upstream = upstream
+        self.pins = pins
+        self.metrics = metrics
+        self.clock = clock
+
+    async def route(
+        self, endpoint: str, body: dict[str, Any], conversation: str, cls: str, slo_s: float, arrived: float,
+        named: bool = False,
+    ) -> Response:  # fmt: skip
+        """The decoder's answer to an admitted request, placed as the module says; 502/503 when none answers."""
+        path = endpoint_path(endpoint)
+        now = self.clock()
+        if self.config.placement == "request":
+            return await self._route_request(path, body, cls, slo_s, arrived)
+        if self.config.placement == "turn":
+            conversation = f"{conversation}/{uuid.uuid4().hex}"  # every turn a new conversation
+        pin = self.pins.get(conversation, now)
+        continued = is_continuation(endpoint, body, named)
+        if pin is None and self.config.placement == "conversation" and continued is not False:
+            pin = await self.find_pin(conversation, now)
+        tried: set[str] = set()
+        for attempt in range(2):
+            decoder = self.engines.decoders.get(pin.decoder) if pin is not None else None
+            if decoder is None or not decoder.healthy or decoder.url in tried:
+                new = pin is None and attempt == 0  # no pin here, and no decoder holds it
+                if new:
+                    self.metrics.conversations.inc()
+                else:  # its decoder is gone
+                    self.metrics.replacements.inc()
+                candidates = [d for d in self.engines.decoders.values() if d.url not in tried]
+                decoder = choose_decoder(candidates, self.config.decoder_full)
+                if decoder is None:
+                    return error_response(
+                        503, "no decoder can take a new conversation now (all full or down); retry shortly"
+                    )
+                body = await self._prefill(path, body, slo_s, count_input=new)
+                pin = self.pins.pin(conversation, decoder.url, now)
+            else:
+                self.metrics.turns.inc()
+            assert pin is not None  # noqa: S101 - set on both branches above (for the type checker)
+            pin.turns += 1
+            decoder.admitted_tokens += estimate_tokens(body)
+            try:
+                return await self.upstream.forward(
+                    decoder, path, body, cls, slo_s, arrived, pin.first_arrival_s, conversation
+                )
+            except Unavailable as failure:
+                tried.add(decoder.url)
+                self.forward_failed(decoder, failure, conversation)
+        return error_response(502, "the decoders failed to answer; the request was tried twice")
+
+    async def _route_request(self, path: str, body: dict[str, Any], cls: str, slo_s: float, arrived: float) -> Response:
+        """The per-request baseline: the least-occupied decoder computes what it lacks; nothing is pinned."""
+        tried: set[str] = set()
+        for _ in range(2):
+            decoder = choose_decoder(
+                [d for d in self.engines.decoders.values() if d.url not in tried], self.config.decoder_full
+            )
+            if decoder is None:
+                break
+            decoder.admitted_tokens += estimate_tokens(body)
+            try:
+                return await self.upstream.forward(decoder, path, body, cls, slo_s, arrived, arrived)
+            except Unavailable as failure:
+                tried.add(decoder.url)
+                self.forward_failed(decoder, failure)
+        return error_response(503, "no decoder can take the request now (all full or down); retry shortly")
+
+    def forward_failed(self, decoder: EngineLoad, failure: Unavailable, conversation: str | None = None) -> None:
+        """A request failed on ``decoder`` before anything reached the client: counted; the decoder is down and
+        its conversations lose their pins only once that confirms it lost (``pinDropFailures`` in a row
+        within ``pinDropWindowS``). The caller retries the request elsewhere (and re-pins its conversation)."""
+        config = self.config
+        if decoder.forward_failed(self.clock(), config.pin_drop_failures, config.pin_drop_window_s):
+            dropped = self.pins.drop_decoder(decoder.url)
+            logger.warning(
+                "decoder %s failed %d requests in a row within %g s (last: %s): down, %d conversations lose "
+                "their pins", decoder.url, config.pin_drop_failures, config.pin_drop_window_s, failure, dropped,
+            )  # fmt: skip
+        elif conversation is not None:
+            logger.warning("decoder %s failed (%s): re-placing conversation %s", decoder.url, failure, conversation)
+        else:
+            logger.warning("decoder %s failed (%s): retrying the request elsewhere", decoder.url, failure)
+
+    async def _prefill(self, path: str, body: dict[str, Any], slo_s: float, count_input: bool = True) -> dict[str, Any]:
+        """Turn 1 on a prefiller: its KV goes to the decoder (handoff); on failure the decoder computes it.
+        Either way a new conversation's L_in is observed (the prefiller's own count when it answered)."""
+        tokens = estimate_tokens(body)
+        prefillers = list(self.engines.prefillers.values())
+        prefiller = choose_for_request(prefillers, tokens, slo_s, self.config.prefill_latency)
+        if prefiller is None:
+            if count_input:
+                self.metrics.input_tokens.observe(tokens)
+            return body
+        answer = await self.upstream.prefill(prefiller, path, body, tokens)
+        usage = answer.get("usage")
+        counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        tokens = counted if isinstance(counted, int) else tokens
+        if count_input:
+            self.metrics.input_tokens.observe(tokens)
+        if answer:
+            self.metrics.prefill_tokens.labels(prefiller.url).inc(tokens)
+        params = answer.get("kv_transfer_params")
+        return {**body, "kv_transfer_params": params} if params else body
+
+    # -- pins other replicas made ------------------------------------------------------------------
+
+    async def find_pin(self, conversation: str, now: float) -> Pin | None:
+        """The decoder another replica (or this one, before a restart) placed ``conversation`` on, if any
+        decoder holds it: the one that served it last."""
+        decoders = [d for d in self.engines.decoders.values() if d.healthy]
+        answers = await asyncio.gather(*(self.upstream.lookup(d, [conversation]) for d in decoders))
+        best: tuple[float, EngineLoad, dict[str, float]] | None = None
+        for decoder, found in zip(decoders, answers, strict=True):
+            seen = found.get(conversation)
+            if isinstance(seen, dict) and float(seen.get("idle_s", 1e18)) <= self.config.pin_ttl_s:
+                idle = float(seen["idle_s"])
+                if best is None or idle < best[0]:
+                    best = (idle, decoder, seen)
+        if best is None:
+            return None
+        self.metrics.found.inc()
+        first = now - float(best[2].get("age_s", 0.0))
+        return self.pins.pin(conversation, best[1].url, now, first_arrival_s=first, owned=False)
+
+    async def expire(self) -> None:
+        """Drop the pins idle past ``pinTtlS``; the ones this replica placed report their lifetime (W) once the
+        decoder confirms the conversation is over; one still served through other replicas is kept."""
+        now = self.clock()
+        names, ended = self.pins.expire_named(now)
+        if not ended:
+            return
+        by_decoder: dict[str, list[tuple[str, Pin]]] = {}  # decoder url -> (conversation, its expired pin)
+        for name, pin in zip(names, ended, strict=True):
+            if pin.owned:
+                by_decoder.setdefault(pin.decoder, []).append((name, pin))
+        for url, pins in by_decoder.items():
+            decoder = self.engines.decoders.get(url)
+            found = await self.upstream.lookup(decoder, [n for n, _ in pins]) if decoder is not None else {}
+            for name, pin in pins:
+                seen = found.get(name)
+                idle = float(seen["idle_s"]) if isinstance(seen, dict) and "idle_s" in seen else None
+                if idle is not None and idle <= self.config.pin_ttl_s:
+                    kept = self.pins.pin(name, url, now - idle)  # still live elsewhere: keep owning it
+                    kept.first_arrival_s, kept.turns = pin.first_arrival_s, pin.turns
+                    continue
+                last = pin.last_used_s if idle is None else max(pin.last_used_s, now - idle)
+                self.metrics.lifetime.observe(max(0.0, last - pin.first_arrival_s))
+
+
+def is_continuation(endpoint: str, body: Mapping[str, Any], named: bool) -> bool | None:
+    """Whether a request carries earlier turns: True for chat with an assistant or tool message; False for
+    chat without one (turn 1) and for a completion whose prompt is too short for a stable name (no earlier
+    turn can share it); None (ask the decoders) for other completions and any explicitly named one."""
+    if endpoint == "chat":
+        messages = body.get("messages") or ()
+        return any(isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in messages)
+    if named:
+        return None
+    prompt = body.get("prompt")
+    short = (isinstance(prompt, str) and len(prompt) <= PROMPT_PREFIX_CHARS) or (
+        isinstance(prompt, list) and len(prompt) <= PROMPT_PREFIX_TOKENS
+    )
+    return False if short else None
+
+
+def estimate_tokens(body: Mapping[str, Any]) -> int:
+    """A cheap size estimate for the admitted-token accounting (4 characters a token)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return len(prompt)
+    if isinstance(prompt, str):
+        return len(prompt) // 4
+    return sum(len(str(m.get("content", ""))) for m in body.get("messages") or [] if isinstance(m, dict)) // 4
