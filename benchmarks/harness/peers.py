@@ -1,0 +1,82 @@
+"""The peers coserve is compared with, and processes pinned to cores: vLLM's own router (``vllm-router``).
+
+Who calls what: ``ttfet.py`` puts vllm-router in front of the same engines coserve's router serves;
+``router_overhead.py`` puts it in front of the same fake upstream, each process on its own core
+(``launched``). Each sweeps vllm-router's policies, as a competent operator of it would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from .engines import free_port
+
+POLICIES = ("round_robin", "consistent_hash", "cache_aware")
+
+
+def vllm_router_command(port: int, policy: str, workers: Sequence[str], *extra: str) -> list[str]:
+    """vllm-router on ``port`` over ``workers`` with ``policy``. Its warning level logs three lines per
+    request: error only. ``extra`` adds flags (its P/D mode, health checks)."""
+    return [
+        str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
+        "--policy", policy, "--log-level", "error", "--worker-startup-check-interval", "1",
+        "--prometheus-port", str(free_port()), *extra, *(["--worker-urls", *workers] if workers else []),
+    ]  # fmt: skip
+
+
+def vllm_router_pd_command(port: int, policy: str, prefillers: Sequence[str], decoders: Sequence[str]) -> list[str]:
+    """vllm-router in its vLLM P/D mode: ``policy`` chooses the decoder."""
+    pd = ["--vllm-pd-disaggregation", *(a for p in prefillers for a in ("--prefill", p))]
+    return vllm_router_command(port, policy, [], *pd, *(a for d in decoders for a in ("--decode", d)))
+
+
+@contextmanager
+def vllm_router(command: list[str], port: int, startup_s: float = 120.0) -> Iterator[str]:
+    """vllm-router running ``command`` until the block ends; its URL once it is ready (all workers healthy)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=dict(os.environ))  # noqa: S603 - pinned
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_s
+        while not _ready(f"{url}/readiness"):
+            if process.poll() is not None:
+                raise RuntimeError(f"vllm-router exited ({process.returncode}): {' '.join(command)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("vllm-router did not become ready")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextmanager
+def launched(
+    command: list[str], cores: set[int], env: dict[str, str] | None = None, quiet: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` running on ``cores`` while the block runs (``quiet``: its stdout dropped)."""
+    process = subprocess.Popen(  # noqa: S603 - this script, our own CLI, the pinned vllm-router
+        command,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL if quiet else None,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
