@@ -1,6 +1,6 @@
 """Whether each committed benchmark result still describes this checkout's code: reported, never enforced.
 
-A result is stamped, when ``_harness.write_result`` writes it, with a fingerprint of every file on its
+A result is stamped, when ``harness.results.write_result`` writes it, with a fingerprint of every file on its
 measured path. The measured path of a result is the set of roots ``measured_paths.MEASURED`` lists for it
 (its script, and the modules vLLM loads by name in the engines it starts), followed through every in-repo
 module they import. A Python file's fingerprint hashes its syntax tree with
@@ -13,7 +13,7 @@ a result fresh as long as the code it measured is the code that is here.
 
 Who calls what:
 
-- ``_harness.stamp`` (every benchmark, and the GPU check) calls ``stamp_code`` when it writes a result;
+- ``harness.results.write_result`` (every benchmark, and the GPU check) calls ``stamp_code`` when it writes a result;
 - ``make bench-status`` runs this file: a table of every result, fresh or stale, and for a stale one
   the measured files that changed (``--readme`` also rewrites the README table's "measured at" column);
   CI runs it too and never fails on what it finds;
@@ -280,7 +280,7 @@ _RUN: tuple[dict[str, Any], Reader] | None = None
 def begin_run() -> tuple[dict[str, Any], Reader]:
     """Take the run's commit and a snapshot of every file on every measured path, once per process.
 
-    ``_harness`` calls it when a benchmark imports it: the code a benchmark measures is the code it
+    ``harness.results`` calls it when a benchmark imports it: the code a benchmark measures is the code it
     started with, and an edit made while it runs is not in its stamp."""
     global _RUN
     if _RUN is None:

@@ -5,7 +5,7 @@ every in-repo module it imports, and fingerprints every file it reaches. So a ro
 import reaches: the benchmark's own script, and the modules a coserve engine loads by name (the plugin
 through ``pyproject.toml``'s entry point; the scheduler, worker, request validator and KV connector
 through the flags ``coserve.engine.launch`` and the operator render). A result with no entry here is reported as
-unknown by ``make bench-status``; ``_harness.stamp`` refuses to write one.
+unknown by ``make bench-status``; ``freshness.stamp`` refuses to write one.
 """
 
 from __future__ import annotations

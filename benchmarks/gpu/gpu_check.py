@@ -46,11 +46,12 @@ from rendered_engine import (
 )
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCHMARKS))  # preemption.py and kv_offload.py import their neighbour _harness
+sys.path.insert(0, str(BENCHMARKS))  # preemption.py and kv_offload.py import their neighbour harness
 
 import kv_offload  # noqa: E402
 import preemption  # noqa: E402
-from _harness import finite, stamp  # noqa: E402
+from freshness import stamp  # noqa: E402
+from harness.stats import finite  # noqa: E402
 
 from coserve.engine.profiler import default_model_cache  # noqa: E402
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
