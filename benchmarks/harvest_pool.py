@@ -33,25 +33,19 @@ import random
 import sys
 import tempfile
 import time
-import uuid
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import aiohttp
 import httpx
-from _harness import bench_model, measured_cost_model, say, write_result
+from harness.client import TurnFailed, first_token_at
+from harness.engines import bench_model, measured_cost_model, pd_pool, router_in_thread
+from harness.results import Table, show, write_result
+from harness.stats import say
 
 import coserve.router.offline as router_offline
-from coserve.engine.launch import EngineServer, EngineSettings
-from coserve.kv.handoff import Handoff, router_sends_transfer_params
-from coserve.router.app import build_app
-from coserve.router.config import parse_router_config
 from coserve.router.policy import OfflinePlacement, place_offline
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from router_served import Served
 
 CLASSES = [
     {"name": "interactive", "weight": 10, "ttftSloMs": 10000, "tpotSloMs": 2000},
@@ -65,11 +59,6 @@ def through_the_online_placement(*args: Any, **kwargs: Any) -> OfflinePlacement 
     """The batch runner's placement before: the same gate, every line through the online placement."""
     placed = place_offline(*args, **kwargs)
     return None if placed is None else OfflinePlacement(placed.decoder, placed.prefiller or placed.decoder)
-
-
-def reset(urls: list[str]) -> None:
-    for url in urls:
-        httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "true"}, timeout=60).raise_for_status()
 
 
 def submit_batch(base: str, lines: int, seed: int) -> str:
@@ -103,16 +92,12 @@ def cancel(base: str, batch_id: str) -> None:
 async def turn(session: aiohttp.ClientSession, base: str, prompt: list[int]) -> float:
     """One streamed turn (16 tokens) at the interactive class; its TTFT (inf when it failed)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "vllm_xargs": {"coserve_class": "interactive"}}  # fmt: skip
+            "vllm_xargs": {"coserve_class": "interactive"}}  # fmt: skip
     sent = time.perf_counter()
-    async with session.post(f"{base}/v1/completions", json=body) as response:
-        if response.status != 200:
-            return float("inf")
-        first = 0.0
-        async for line in response.content:
-            if not first and line.startswith(b"data: ") and b'"text"' in line:
-                first = time.perf_counter()
-    return first - sent if first else float("inf")
+    try:
+        return await first_token_at(session, base, body) - sent
+    except TurnFailed:  # an HTTP error, or no token
+        return float("inf")
 
 
 async def online(base: str, args: argparse.Namespace) -> list[float]:
@@ -165,43 +150,21 @@ def main() -> int:
     model = bench_model(16, 512)
     config = {"priorityClasses": CLASSES, "costModel": measured_cost_model(model)}
     workdir = Path(tempfile.mkdtemp(prefix="coserve-harvest-"))
-    handoff = Path("/dev/shm") / f"coserve-harvest-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff's directory
-    handoff.mkdir()
     arms: dict[str, Any] = {}
-    with ExitStack() as stack:
-        engines: dict[str, str] = {}
-        for role, kv_role, extra in (("prefiller", "kv_producer", {}),
-                                     ("decoder", "kv_consumer", {"host_memory_bytes": 1 << 30})):  # fmt: skip
-            say(f"starting the {role}")
-            settings = EngineSettings(
-                model=model, workdir=workdir / role, engine_config=config, max_model_len=8192,
-                kv={"handoff_backend": "shm", "handoff_path": str(handoff), **extra}, kv_role=kv_role, dev_mode=True,
-            )  # fmt: skip
-            engines[role] = stack.enter_context(EngineServer(settings)).base
+    with pd_pool(model, workdir, config) as pool:  # one prefiller, one decoder with a host KV pool
         for arm in args.arms:
             results = {}
             for label in ("with_online", "alone"):
-                reset(list(engines.values()))
-                for child in handoff.iterdir():
-                    child.unlink()
-                router_config = {
-                    "model": "tiny", "prefillers": [engines["prefiller"]], "decoders": [engines["decoder"]],
-                    "priorityClasses": CLASSES, "pollS": 0.5, "batchDir": str(workdir / f"batches-{arm}-{label}"),
-                    "kvTransferParams": router_sends_transfer_params(Handoff.SHM),
-                }  # fmt: skip
-                patch = (
-                    mock.patch.object(router_offline, "place_offline", through_the_online_placement)
-                    if arm == "placement"
-                    else mock.patch.object(router_offline, "place_offline", place_offline)
-                )
-                with patch:
-                    router = Served(build_app(parse_router_config(router_config)))
-                    try:
-                        window = None if label == "with_online" else results["with_online"]["window_s"]
-                        say(f"{arm}: offline lines {label.replace('_', ' ')}")
-                        results[label] = phase(router.url, args, window)
-                    finally:
-                        router.stop()
+                pool.clear()
+                router_config = pool.router_config(CLASSES, batchDir=str(workdir / f"batches-{arm}-{label}"))
+                placement = through_the_online_placement if arm == "placement" else place_offline
+                with (
+                    mock.patch.object(router_offline, "place_offline", placement),
+                    router_in_thread(router_config) as url,
+                ):
+                    window = None if label == "with_online" else results["with_online"]["window_s"]
+                    say(f"{arm}: offline lines {label.replace('_', ' ')}")
+                    results[label] = phase(url, args, window)
                 say(f"{arm} {label}: {results[label]}")
             alone = results["alone"]["offline_tokens_per_s"]
             results["fraction_of_offline_only"] = (
@@ -240,12 +203,14 @@ def main() -> int:
         },
     }
     write_result("harvest_pool", document)
-    print(f"\n{'arm':10}{'with online':>14}{'alone':>10}{'fraction':>10}{'online TTFT ok':>16}")
+    table = Table("arm", [("with online", 14), ("alone", 10), ("fraction", 10), ("online TTFT ok", 16)], 10)
     for arm, r in arms.items():
-        fraction = r["fraction_of_offline_only"]
-        print(
-            f"{arm:10}{r['with_online']['offline_tokens_per_s']:>14,.0f}{r['alone']['offline_tokens_per_s']:>10,.0f}"
-            f"{'-' if fraction is None else f'{fraction:.2f}':>10}{r['with_online']['online_ttft_attainment']:>16.1%}"
+        table.row(
+            arm,
+            show(r["with_online"]["offline_tokens_per_s"], "{:,.0f}"),
+            show(r["alone"]["offline_tokens_per_s"], "{:,.0f}"),
+            r["fraction_of_offline_only"],
+            show(r["with_online"]["online_ttft_attainment"], "{:.1%}"),
         )
     print(f"met={document['met']}")
     return 0

@@ -45,13 +45,12 @@ import argparse
 import asyncio
 import copy
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,10 @@ from typing import Any
 import httpx
 import kmock
 import yaml
-from _harness import reportable_percentile, say, write_result
+from harness.engines import free_port
+from harness.peers import launched
+from harness.results import Table, ratio, show, write_result
+from harness.stats import reportable_percentile, say
 
 from coserve.api.resource import KIND
 from coserve.autoscaling.queries import queries_for
@@ -289,28 +291,11 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_operator(workdir: Path, kubeconfig: Path, *extra: str) -> subprocess.Popen[bytes]:
+def operator_process(workdir: Path, kubeconfig: Path, *extra: str) -> AbstractContextManager[subprocess.Popen[bytes]]:
+    """``coserve operator`` against the emulator in ``kubeconfig`` until the block ends (its log: operator.log)."""
     coserve = Path(sys.executable).with_name("coserve")
-    return subprocess.Popen(  # noqa: S603 - our own CLI
-        [str(coserve), "operator", "-n", NS, "--lease-namespace", NS, "--log-level", "WARNING", *extra],
-        env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-        stdout=(workdir / "operator.log").open("a"),
-        stderr=subprocess.STDOUT,
-    )
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    command = [str(coserve), "operator", "-n", NS, "--lease-namespace", NS, "--log-level", "WARNING", *extra]
+    return launched(command, env={"KUBECONFIG": str(kubeconfig)}, log=workdir / "operator.log")
 
 
 QUIET_S = 5.0
@@ -342,8 +327,7 @@ async def converged_cost(
 ) -> dict[str, Any]:
     """A restarted operator over ``pools`` converged pools: requests by kind during ``window_s``, 1 s resync."""
     resync_s = 1.0
-    operator = start_operator(workdir, kubeconfig, "--resync-s", str(resync_s))
-    try:
+    with operator_process(workdir, kubeconfig, "--resync-s", str(resync_s)) as operator:
         # NOTE: a fixed wait here let a restarted operator's first pass over the pools (one create per
         # child, answered 409) spill into the window on a slower machine; wait for that pass to end instead:
         # no pool write for QUIET_S in a row (at most START_S), then count over the window
@@ -353,8 +337,6 @@ async def converged_cost(
         await asyncio.sleep(window_s)
         after = operator_requests(counts_file)
         elapsed = time.perf_counter() - started
-    finally:
-        stop(operator)
     counted = {k: after.get(k, 0) - before.get(k, 0) for k in after if ":" in k and after[k] > before.get(k, 0)}
     resyncs = elapsed / resync_s
     per_resync = {k: v / resyncs for k, v in counted.items()}
@@ -385,11 +367,6 @@ async def run(single: int, burst: int, window_s: float) -> dict[str, Any]:
     port = free_port()
     counts_file = workdir / "requests.json"
     server = f"http://127.0.0.1:{port}"
-    emulator = subprocess.Popen(  # noqa: S603 - this script
-        [sys.executable, __file__, "--serve-emulator", str(port), str(counts_file)],
-        stdout=(workdir / "emulator.log").open("w"),
-        stderr=subprocess.STDOUT,
-    )
     kubeconfig = workdir / "kubeconfig"
     kubeconfig.write_text(
         yaml.safe_dump(
@@ -403,8 +380,8 @@ async def run(single: int, burst: int, window_s: float) -> dict[str, Any]:
             }
         )
     )
-    operator: subprocess.Popen[bytes] | None = None
-    try:
+    emulator = [sys.executable, __file__, "--serve-emulator", str(port), str(counts_file)]
+    with launched(emulator, log=workdir / "emulator.log"):
         async with httpx.AsyncClient(base_url=server, timeout=30, headers={"User-Agent": BENCH_AGENT}) as client:
             deadline = time.perf_counter() + 30
             while True:
@@ -416,36 +393,35 @@ async def run(single: int, burst: int, window_s: float) -> dict[str, Any]:
                 if time.perf_counter() > deadline:
                     raise RuntimeError(f"the emulator did not start:\n{(workdir / 'emulator.log').read_text()}")
                 await asyncio.sleep(0.1)
-            operator = start_operator(workdir, kubeconfig)
-            say("waiting for the operator to start")
-            probe = "probe"
-            await client.post(POOLS_URL, json=pool_body(probe))
-            deadline = time.perf_counter() + 60
-            while probe not in await reconciled(client):
-                if operator.poll() is not None or time.perf_counter() > deadline:
-                    raise RuntimeError(f"the operator did not start:\n{(workdir / 'operator.log').read_text()}")
-                await asyncio.sleep(0.1)
-            say(f"{single} pools one at a time")
-            one_at_a_time = []
-            for index in range(single):
-                one_at_a_time += await create_and_time(client, [f"single-{index}"])
-            say(f"{burst} pools at once")
-            before = operator_requests(counts_file)
-            at_once = await create_and_time(client, [f"burst-{i}" for i in range(burst)])
-            after = operator_requests(counts_file)
-            requests = {
-                m: after.get(m, 0) - before.get(m, 0)
-                for m in sorted(after)
-                if ":" not in m and after[m] > before.get(m, 0)
-            }
-            rss = rss_bytes(operator.pid)
-            # converged: the follow-up reconcile of each new pool has written WaitingForReplicas
-            deadline = time.perf_counter() + 60
-            while not await settled(client):
-                if time.perf_counter() > deadline:
-                    raise RuntimeError("the pools did not settle in 60 s")
-                await asyncio.sleep(0.2)
-            stop(operator)
+            with operator_process(workdir, kubeconfig) as operator:
+                say("waiting for the operator to start")
+                probe = "probe"
+                await client.post(POOLS_URL, json=pool_body(probe))
+                deadline = time.perf_counter() + 60
+                while probe not in await reconciled(client):
+                    if operator.poll() is not None or time.perf_counter() > deadline:
+                        raise RuntimeError(f"the operator did not start:\n{(workdir / 'operator.log').read_text()}")
+                    await asyncio.sleep(0.1)
+                say(f"{single} pools one at a time")
+                one_at_a_time = []
+                for index in range(single):
+                    one_at_a_time += await create_and_time(client, [f"single-{index}"])
+                say(f"{burst} pools at once")
+                before = operator_requests(counts_file)
+                at_once = await create_and_time(client, [f"burst-{i}" for i in range(burst)])
+                after = operator_requests(counts_file)
+                requests = {
+                    m: after.get(m, 0) - before.get(m, 0)
+                    for m in sorted(after)
+                    if ":" not in m and after[m] > before.get(m, 0)
+                }
+                rss = rss_bytes(operator.pid)
+                # converged: the follow-up reconcile of each new pool has written WaitingForReplicas
+                deadline = time.perf_counter() + 60
+                while not await settled(client):
+                    if time.perf_counter() > deadline:
+                        raise RuntimeError("the pools did not settle in 60 s")
+                    await asyncio.sleep(0.2)
             pools = 1 + single + burst
             say(f"{pools} converged pools: a restarted operator's requests over {window_s:.0f} s")
             converged = await converged_cost(workdir, kubeconfig, counts_file, pools, window_s)
@@ -453,14 +429,6 @@ async def run(single: int, burst: int, window_s: float) -> dict[str, Any]:
             say("baseline: a cacheless read-then-write client, without kopf")
             base_single = [(await baseline(client, [f"base-{i}"]))[0] for i in range(single)]
             base_burst = await baseline(client, [f"base-burst-{i}" for i in range(burst)])
-    finally:
-        for process in (operator, emulator):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
     return {
         "single": one_at_a_time,
         "burst": at_once,
@@ -622,7 +590,7 @@ def main() -> int:
     burst_met = burst["max_s"] < 10.0
     quiet_met = converged["writes_in_window"] == 0 and converged["events_in_window"] == 0
     met = single_met and burst_met and quiet_met and autoscaled_met
-    print(f"\n{'':28}{'operator':>12}{'cacheless client':>18}{'ratio':>8}")
+    table = Table("", [("operator", 12), ("cacheless client", 18), ("ratio", 8)], label_width=28, fmt="{:.3f}")
     for label, a, b in (
         ("1 pool p50 (s)", single["p50_s"], base_single["p50_s"]),
         ("1 pool p99 (s)", single["p99_s"], base_single["p99_s"]),
@@ -631,9 +599,9 @@ def main() -> int:
         (f"{args.burst} at once last (s)", burst["max_s"], base_burst["max_s"]),
     ):
         if a is None or b is None:
-            print(f"{label:28}{'-':>12}{'-':>18}   (too few samples)")
-            continue
-        print(f"{label:28}{a:12.3f}{b:18.3f}{a / b if b else float('inf'):8.1f}x")
+            table.row(label, "-", "-", "   (too few samples)")
+        else:
+            table.row(label, a, b, show(ratio(a, b), "{:.1f}x"))
     per_pool = {m: n / args.burst for m, n in measured["burst_requests"].items()}
     print(f"operator API requests per pool in the burst (watches aside): {per_pool}")
     print(

@@ -54,18 +54,19 @@ import importlib.metadata
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _harness import percentile, say, write_result
+from harness.engines import free_port
+from harness.peers import POLICIES, launched, vllm_router_command
+from harness.results import Table, ratio, show, write_result
+from harness.stats import percentile, say
+from harness.sweep import best_of
 
 from coserve.engine.conversations import ConversationLog
 
@@ -80,7 +81,6 @@ ANSWER = json.dumps(
 METRICS = b'vllm:kv_cache_usage_perc{engine="0"} 0.1\nvllm:num_requests_waiting{engine="0"} 0\n'
 TURNS = 4
 SESSION_HEADER = "x-session-id"  # the first header vllm-router's consistent_hash reads; coserve ignores it
-PEER_POLICIES = ("round_robin", "consistent_hash", "cache_aware")
 PEER_THREADS = (1, 2)  # TOKIO_WORKER_THREADS; vllm-router's default is one per core it may use
 PEER_P99_RATIO = 2.0  # coserve's added p99 at most this times vllm-router's
 PEER_CPU_RATIO = 1.5  # coserve's CPU per request at most this times vllm-router's
@@ -112,12 +112,6 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body = ANSWER
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
@@ -232,19 +226,9 @@ class Arm:
         }
 
 
-def best_of(rows: list[dict[str, Any]], key: str, highest: bool = False) -> dict[str, Any]:
-    """The swept configuration best at ``key`` (lowest, or ``highest``); the first such on a tie."""
-    pick = max if highest else min
-    return pick(rows, key=lambda row: row[key])
-
-
-def ratio(ours: float, theirs: float) -> float | None:
-    """ours / theirs, or None when theirs is not positive (an added latency within the noise of direct)."""
-    return ours / theirs if theirs > 0 else None
-
-
 def peer_comparison(ours: dict[str, float], sweep: list[dict[str, Any]]) -> dict[str, Any]:
-    """coserve against vllm-router's best configuration for each figure: the ratios and the two targets."""
+    """coserve against vllm-router's best configuration for each figure: the ratios and the two targets (no
+    ratio when vllm-router's figure is not positive: an added latency within the noise of direct)."""
     best = {
         "added_p99_s": best_of(sweep, "added_p99_s"),
         "cpu_s_per_request": best_of(sweep, "cpu_s_per_request"),
@@ -314,13 +298,11 @@ async def measure_pins(args: argparse.Namespace, upstream: str, router: str, rou
 
 def write_pins(measured: dict[str, Any], args: argparse.Namespace) -> None:
     rows = measured["rows"]
-    print(
-        f"\n{'live pins':>10}{'idle CPU ms/s':>15}{'p50+ @100':>11}{'p99+ @100':>11}{'p50+ @500':>11}{'p99+ @500':>11}"
-    )
+    added = [(f"{q}+ @{rate}", 11) for rate in (100, 500) for q in ("p50", "p99")]
+    table = Table(f"{'live pins':>10}", [("idle CPU ms/s", 15), *added], label_width=10)
     for row in rows:
-        print(f"{row['pins']:>10}{row['idle_cpu_s_per_s'] * 1000:15.1f}"
-              + "".join(f"{row[k] * 1000:11.2f}" for k in ("added_p50_s_at_100", "added_p99_s_at_100",
-                                                           "added_p50_s_at_500", "added_p99_s_at_500")))  # fmt: skip
+        added = [row[f"added_{q}_s_at_{rate}"] * 1000 for rate in (100, 500) for q in ("p50", "p99")]
+        table.row(f"{row['pins']:>10}", show(row["idle_cpu_s_per_s"] * 1000, "{:.1f}"), *added)
     low, high = rows[0], rows[-1]
     routed_p99 = {r: high[f"added_p99_s_at_{r}"] + measured["direct_p99_s"][f"{r}.0"] for r in ("100", "500")}
     base_p99 = {r: low[f"added_p99_s_at_{r}"] + measured["direct_p99_s"][f"{r}.0"] for r in ("100", "500")}
@@ -344,24 +326,6 @@ def write_pins(measured: dict[str, Any], args: argparse.Namespace) -> None:
     say(f"wrote {path}")
 
 
-@contextlib.contextmanager
-def launched(
-    command: list[str], cores: set[int], env: dict[str, str] | None = None, quiet: bool = False
-) -> Iterator[subprocess.Popen[bytes]]:
-    """``command`` running on ``cores`` while the block runs (``quiet``: its stdout dropped)."""
-    process = subprocess.Popen(  # noqa: S603 - this script, our own CLI, the pinned vllm-router
-        command,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL if quiet else None,
-        preexec_fn=lambda: os.sched_setaffinity(0, cores),
-    )
-    try:
-        yield process
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
 def coserve_command(config: Path, port: int) -> list[str]:
     coserve = str(Path(sys.executable).with_name("coserve"))
     return [coserve, "router", "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
@@ -369,14 +333,9 @@ def coserve_command(config: Path, port: int) -> list[str]:
 
 
 def peer_command(upstream: str, port: int, policy: str) -> list[str]:
-    """vllm-router in front of ``upstream``: no per-request logs (its warning level logs three lines per
-    request), and no health check during the run (the first is an hour away)."""
-    return [
-        str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", upstream, "--policy", policy, "--log-level", "error",
-        "--health-check-interval-secs", "3600", "--worker-startup-check-interval", "1",
-        "--prometheus-port", str(free_port()),
-    ]  # fmt: skip
+    """vllm-router in front of ``upstream`` (no per-request logs), with no health check during the run (the
+    first is an hour away)."""
+    return vllm_router_command(port, policy, [upstream], "--health-check-interval-secs", "3600")
 
 
 def main() -> int:
@@ -394,7 +353,7 @@ def main() -> int:
         action="store_true",
         help="let the three processes share every core (default: the router on its own core)",
     )
-    parser.add_argument("--peer-policies", nargs="*", default=list(PEER_POLICIES), help="vllm-router policies swept")
+    parser.add_argument("--peer-policies", nargs="*", default=list(POLICIES), help="vllm-router policies swept")
     parser.add_argument("--peer-threads", type=int, nargs="*", default=list(PEER_THREADS),
                         help="vllm-router tokio worker thread counts swept")  # fmt: skip
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
@@ -451,17 +410,18 @@ def report(
     latency_met = ours["added_p99_s"] <= 0.001
     throughput_met = ours["requests_per_s"] >= 2000
     peer = peer_comparison(ours, sweep) if sweep else None
-    print(f"\n{'':34}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}{'+p99 ms':>9}{'req/s':>8}{'CPU ms/req':>12}")
-    print(f"{'direct':34}{d50 * 1000:9.3f}{d99 * 1000:9.3f}{'':18}{direct.requests_per_s:8.0f}")
+    table = Table("", [("p50 ms", 9), ("p99 ms", 9), ("+p50 ms", 9), ("+p99 ms", 9), ("req/s", 8),
+                       ("CPU ms/req", 12)], label_width=34, fmt="{:.3f}")  # fmt: skip
+    table.row("direct", d50 * 1000, d99 * 1000, "", "", show(direct.requests_per_s, "{:.0f}"))
     for label, row in [(f"coserve ({args.replicas} replicas)", ours)] + [
         (f"vllm-router {r['policy']}, {r['worker_threads']} thr", r) for r in sweep
     ]:
-        print(f"{label:34}" + "".join(f"{row[k] * 1000:9.3f}" for k in ("p50_s", "p99_s", "added_p50_s", "added_p99_s"))
-              + f"{row['requests_per_s']:8.0f}{row['cpu_s_per_request'] * 1000:12.3f}")  # fmt: skip
+        latencies = [row[k] * 1000 for k in ("p50_s", "p99_s", "added_p50_s", "added_p99_s")]
+        table.row(label, *latencies, show(row["requests_per_s"], "{:.0f}"), row["cpu_s_per_request"] * 1000)
     print(f"target: <= 1 ms added at p99 {'met' if latency_met else 'NOT met'}; "
           f">= 2000 requests/s {'met' if throughput_met else 'NOT met'}")  # fmt: skip
     if peer is not None:
-        p99, cpu, rps = (_show(peer[k]) for k in ("added_p99_ratio", "cpu_per_request_ratio", "requests_per_s_ratio"))
+        p99, cpu, rps = (show(peer[k]) for k in ("added_p99_ratio", "cpu_per_request_ratio", "requests_per_s_ratio"))
         print(f"vs vllm-router's best: added p99 {p99}x (target <= {PEER_P99_RATIO}x: "
               f"{'met' if peer['added_p99_met'] else 'NOT met'}); CPU per request {cpu}x (target <= "
               f"{PEER_CPU_RATIO}x: {'met' if peer['cpu_met'] else 'NOT met'}); requests/s {rps}x")  # fmt: skip
@@ -518,10 +478,6 @@ def report(
             },
         },
     )
-
-
-def _show(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ on what a serving run is judged by (TTFT and TPOT p50 and p95, output tokens/s, 
   Target: every pair within 15 %.
 
 Pairs judged are the substantive ones only: a percentile with too few samples
-(``_harness.reportable_percentile``) is skipped and listed; preemptions are judged in absolute
+(``harness.stats.reportable_percentile``) is skipped and listed; preemptions are judged in absolute
 terms (a count of 0 against 0 is no evidence of fidelity, and is listed as such, not counted).
 
 The measured runs keep every request (send time, lengths, class, token times) in the result, so the
@@ -63,25 +63,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-from _harness import (
-    AZURE_CONV,
-    MIN_SAMPLES,
-    RESULTS,
-    BenchRequest,
-    Outcome,
-    bench_model,
-    load_trace,
-    random_prompt,
-    replay,
-    reportable_percentile,
-    say,
-    warm_up,
-    write_result,
-)
+from harness.client import Outcome, metric_total, replay, warm_up
+from harness.engines import PoolShape, bench_model, coserve_settings, pd_pool, router_process
+from harness.results import RESULTS, Table, write_result
+from harness.stats import MIN_SAMPLES, reportable_percentile, say
+from harness.workload import AZURE_CONV, BenchRequest, load_trace, random_prompt
 
 from coserve.bench.workload import Conversation, Turn
-from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.engine.launch import EngineServer
 from coserve.scheduling import CostSample, SlideBatching, StepCostModel, fit_cost_model
 from coserve.scheduling.config import EngineSchedulingConfig, parse_engine_config
 from coserve.scheduling.cost_model import hold_out_interior, served_sample
@@ -297,6 +286,11 @@ def engine_config(cost_model: dict[str, float]) -> dict[str, Any]:
     return {"priorityClasses": CLASSES, "scheduler": {"maxTokensPerStep": BUDGET}, "costModel": cost_model}
 
 
+def engine_args() -> list[str]:
+    """vLLM's flags every measured engine gets beyond ``EngineSettings``'."""
+    return ["--max-num-seqs", str(MAX_NUM_SEQS)]
+
+
 # vLLM's own request timings (histograms; their _sum and _count): where a request's time goes inside the server
 SERVER_TIMINGS = {
     "vllm:time_to_first_token_seconds": "server_ttft_s",
@@ -307,20 +301,10 @@ SERVER_TIMINGS = {
 
 def server_counters(base: str) -> dict[str, float]:
     """vLLM's preemption counter and the timing histograms' sums and counts, summed over label sets."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{base}/metrics", timeout=30).text
-    totals: dict[str, float] = {"preemptions": 0.0}
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:num_preemptions":
-            totals["preemptions"] += sum(s.value for s in family.samples if s.name.endswith("_total"))
-        name = SERVER_TIMINGS.get(family.name)
-        if name is None:
-            continue
-        for sample in family.samples:
-            for suffix in ("_sum", "_count"):
-                if sample.name.endswith(suffix):
-                    totals[name + suffix] = totals.get(name + suffix, 0.0) + sample.value
+    totals = {"preemptions": metric_total(base, "vllm:num_preemptions_total")}
+    for family, name in SERVER_TIMINGS.items():
+        for suffix in ("_sum", "_count"):
+            totals[name + suffix] = metric_total(base, family + suffix)
     return totals
 
 
@@ -509,12 +493,8 @@ def measure_engine_rung(model: Path, cost_model: dict[str, float], seed: int) ->
     workdir = RESULTS.parent / ".work" / "fidelity"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)  # the engine core's threads, main one included
     os.sched_setaffinity(0, {CLIENT_CORE})  # this client, and the API server it starts (inherited)
-    settings = EngineSettings(
-        model=model,
-        workdir=workdir,
-        engine_config=engine_config(cost_model),
-        max_num_batched_tokens=BUDGET,
-        extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
+    settings = coserve_settings(
+        model, workdir, engine_config(cost_model), max_num_batched_tokens=BUDGET, extra_args=engine_args()
     )
     runs: list[dict[str, Any]] = []
     trace = workdir / "steps.jsonl"
@@ -792,97 +772,64 @@ def measure_pool_rung(model: Path, cost_model: dict[str, float], capacity: float
     The prefiller (its API server, engine core and worker) runs on core 0, the decoder on core 1 with the router
     (``coserve router``, its own process) and this client: two cores cannot give the router one of its own.
     """
-    import socket
-    import subprocess
-    import uuid
-    from contextlib import ExitStack
-
-    from coserve.kv.handoff import Handoff, router_sends_transfer_params
-
     rows = load_trace(AZURE_CONV)
     workdir = RESULTS.parent / ".work" / "fidelity-pool"
-    handoff = Path("/dev/shm") / f"coserve-fidelity-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff's directory
-    handoff.mkdir()
     runs: list[dict[str, Any]] = []
     traces = {role: workdir / f"{role}-steps.jsonl" for role in ("prefiller", "decoder")}
-    with ExitStack() as stack:
-        stack.callback(handoff.rmdir)
-        stack.callback(lambda: [child.unlink() for child in handoff.iterdir()] and None)
-        bases: dict[str, str] = {}
-        for role, kv_role, core in (("prefiller", "kv_producer", 0), ("decoder", "kv_consumer", 1)):
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
-            os.environ["COSERVE_STEP_TRACE"] = str(traces[role])
-            traces[role].parent.mkdir(parents=True, exist_ok=True)
-            traces[role].unlink(missing_ok=True)
-            os.sched_setaffinity(0, {core})  # the engine's processes inherit it
-            settings = EngineSettings(
-                model=model, workdir=workdir / role, engine_config=engine_config(cost_model),
-                max_num_batched_tokens=BUDGET, extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
-                kv={"handoff_backend": "shm", "handoff_path": str(handoff)}, kv_role=kv_role,
-            )  # fmt: skip
-            say(f"pool rung: starting the {role} on core {core}")
-            bases[role] = stack.enter_context(EngineServer(settings)).base
-        os.sched_setaffinity(0, {CLIENT_CORE})
-        router_config = workdir / "router.json"
-        router_config.write_text(json.dumps({
-            "model": "tiny", "prefillers": [bases["prefiller"]], "decoders": [bases["decoder"]],
-            "priorityClasses": CLASSES, "pollS": 0.5,
-            "kvTransferParams": router_sends_transfer_params(Handoff.SHM),
-        }))  # fmt: skip
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        router = subprocess.Popen(  # noqa: S603 - our own CLI
-            [sys.executable, "-m", "coserve", "router", "--config", str(router_config),
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        )  # fmt: skip
-        stack.callback(router.wait, 30)
-        stack.callback(router.terminate)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if router.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("pool rung: the router did not start")
-            time.sleep(0.5)
-        warm_up(base, (64, 256), timeout_s=120)  # both engines, the handoff, the router's connections
-        for i, load in enumerate(POOL_LOADS):
-            rate = load * capacity
-            requests = engine_requests(rows, REQUESTS_PER_LOAD, rate, seed + 20 + i)
-            before = {role: server_counters(b) for role, b in bases.items()}
-            steps_before = {role: len(read_steps(t)) for role, t in traces.items()}
-            started = time.time()
-            outcomes: list[Outcome] = asyncio.run(replay(base, requests, f"pool {load:g}x"))
-            after = {role: server_counters(b) for role, b in bases.items()}
-            failed = [o.error for o in outcomes if o.error]
-            if failed:
-                raise SystemExit(f"pool {load:g}x: {len(failed)} requests failed, e.g. {failed[0]}")
-            run = {
-                "label": f"{load:g}x", "load": load, "rate_per_s": rate,
-                "preemptions": sum(after[r]["preemptions"] - before[r]["preemptions"] for r in bases),
-                "requests": [
-                    {"sent_s": round(o.sent_s - started, 5), "prompt_tokens": len(o.request.prompt),
-                     "output_tokens": o.request.max_tokens, "cls": o.request.cls,
-                     "token_times": [round(t - started, 5) for t in o.token_times]}
-                    for o in outcomes
-                ],
-                "step_trace": {
-                    role: [[s["requests"], s["new"], s["context"], s["attention"], round(s["end"] - s["start"], 6)]
-                           for s in read_steps(traces[role])[steps_before[role]:]]
-                    for role in traces
-                },
-            }  # fmt: skip
-            runs.append(run)
-            say(f"pool {load:g}x: {json.dumps(short(figures_of(run)))}")
+    cores = {"prefiller": 0, "decoder": 1}
+
+    def on_its_core(role: str, index: int) -> None:
+        """Before each engine starts: its step trace, and its core (its processes inherit this one's)."""
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[role])
+        os.environ["COSERVE_STEP_TRACE"] = str(traces[role])
+        traces[role].parent.mkdir(parents=True, exist_ok=True)
+        traces[role].unlink(missing_ok=True)
+        os.sched_setaffinity(0, {cores[role]})
+        say(f"pool rung: the {role} on core {cores[role]}")
+
+    shape = PoolShape(
+        decoder_host_pool_bytes=0,
+        options={"max_num_batched_tokens": BUDGET, "extra_args": engine_args()},
+        before_start=on_its_core,
+    )
+    with pd_pool(model, workdir, engine_config(cost_model), shape) as pool:
+        bases = {"prefiller": pool.prefillers[0], "decoder": pool.decoders[0]}
+        os.sched_setaffinity(0, {CLIENT_CORE})  # this client, and the router it starts (inherited)
+        with router_process(pool.router_config(CLASSES), workdir) as base:
+            warm_up(base, (64, 256), timeout_s=120)  # both engines, the handoff, the router's connections
+            for i, load in enumerate(POOL_LOADS):
+                rate = load * capacity
+                requests = engine_requests(rows, REQUESTS_PER_LOAD, rate, seed + 20 + i)
+                before = {role: server_counters(b) for role, b in bases.items()}
+                steps_before = {role: len(read_steps(t)) for role, t in traces.items()}
+                started = time.time()
+                outcomes: list[Outcome] = asyncio.run(replay(base, requests, f"pool {load:g}x"))
+                after = {role: server_counters(b) for role, b in bases.items()}
+                failed = [o.error for o in outcomes if o.error]
+                if failed:
+                    raise SystemExit(f"pool {load:g}x: {len(failed)} requests failed, e.g. {failed[0]}")
+                run = {
+                    "label": f"{load:g}x", "load": load, "rate_per_s": rate,
+                    "preemptions": sum(after[r]["preemptions"] - before[r]["preemptions"] for r in bases),
+                    "requests": [
+                        {"sent_s": round(o.sent_s - started, 5), "prompt_tokens": len(o.request.prompt),
+                         "output_tokens": o.request.max_tokens, "cls": o.request.cls,
+                         "token_times": [round(t - started, 5) for t in o.token_times]}
+                        for o in outcomes
+                    ],
+                    "step_trace": {
+                        role: [[s["requests"], s["new"], s["context"], s["attention"], round(s["end"] - s["start"], 6)]
+                               for s in read_steps(traces[role])[steps_before[role]:]]
+                        for role in traces
+                    },
+                }  # fmt: skip
+                runs.append(run)
+                say(f"pool {load:g}x: {json.dumps(short(figures_of(run)))}")
     return {
         "runs": runs,
         "kv_bytes_per_token": kv_bytes_per_token(model),
         "handoff_bytes_per_s": shm_bandwidth(),
-        "cores": {"prefiller": 0, "decoder": 1, "router and client": CLIENT_CORE},
+        "cores": {**cores, "router and client": CLIENT_CORE},
     }
 
 
@@ -1062,7 +1009,8 @@ def findings(step: dict[str, Any], engine: dict[str, Any], pool: dict[str, Any] 
     return notes
 
 
-def show(value: float | None, figure: str) -> str:
+def in_units(value: float | None, figure: str) -> str:
+    """A figure as the tables show it: seconds in ms (or s from 10 s), anything else to 4 significant digits."""
     if value is None:
         return "-"
     if figure.endswith("_s") and not figure.endswith("_per_s"):
@@ -1071,15 +1019,13 @@ def show(value: float | None, figure: str) -> str:
 
 
 def table(pairs: Sequence[dict[str, Any]], title: str) -> None:
-    say(title)
-    say(f"  {'arm':<18} {'figure':<22} {'measured':>10} {'twin':>10} {'error':>8}")
+    print(f"\n{title}")
+    columns = [(f"  {'figure':<22}", 24), ("measured", 11), ("twin", 11), ("error", 9), ("", 3)]
+    rows = Table("  arm", columns, label_width=28)
     for p in pairs:
         error = "-" if p["relative_error"] is None else f"{100 * p['relative_error']:.1f}%"
-        mark = "" if p["within"] else "  x"
-        say(
-            f"  {p['arm']:<18} {p['figure']:<22} {show(p['measured'], p['figure']):>10} "
-            f"{show(p['simulated'], p['figure']):>10} {error:>8}{mark}"
-        )
+        measured, twin = (in_units(p[key], p["figure"]) for key in ("measured", "simulated"))
+        rows.row(f"  {p['arm']}", f"  {p['figure']:<22}", measured, twin, error, "" if p["within"] else "  x")
 
 
 def main() -> int:

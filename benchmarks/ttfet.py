@@ -47,33 +47,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.metadata
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
-from _harness import bench_model, measured_cost_model, percentile, reportable_percentile, say, write_result
+from harness.client import first_token_at, metric_total
+from harness.engines import PoolShape, bench_model, free_port, measured_cost_model, pd_pool, router_in_thread
+from harness.peers import POLICIES, vllm_router, vllm_router_command, vllm_router_pd_command
+from harness.results import Table, ratio, show, write_result
+from harness.stats import percentile, reportable_percentile, say
+from harness.sweep import best_of
 
-from coserve.engine.launch import EngineServer, EngineSettings
-from coserve.kv.handoff import Handoff, router_sends_transfer_params
-from coserve.router.app import build_app
-from coserve.router.config import parse_router_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from router_served import Served, free_port
-
-PEER_POLICIES = ("round_robin", "consistent_hash", "cache_aware")
 PEER_PD_POLICY = "cache_aware"  # its default policy, choosing the decoder in its P/D mode
 PEER_TARGET = 1.3  # coserve's p95 TTFET at least this many times lower than vllm-router's best policy's
 SESSION_HEADER = "x-session-id"  # what vllm-router's consistent_hash reads first; coserve ignores it
@@ -86,49 +75,29 @@ CLASSES = [
 ]
 
 
-def computed_tokens(urls: list[str]) -> float:
-    total = 0.0
-    for url in urls:
-        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-            if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="local_compute"' in line:
-                total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def reset(urls: list[str]) -> None:
-    for url in urls:
-        httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "true"}, timeout=60).raise_for_status()
-
-
-async def turn(session: aiohttp.ClientSession, base: str, prompt: list[int], name: str) -> float:
-    """Stream one turn (16 tokens) of conversation ``name``; returns when its first token arrived (perf_counter)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-    body["stream"] = True
-    first = 0.0
-    async with session.post(f"{base}/v1/completions", json=body, headers={SESSION_HEADER: name}) as response:
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
-        async for line in response.content:
-            if not first and line.startswith(b"data: "):
-                first = time.perf_counter()
-    return first
+def computed_tokens(decoders: list[str]) -> float:
+    """The prompt tokens the decoders computed themselves (not loaded from the handoff or a cache)."""
+    return metric_total(decoders, "vllm:prompt_tokens_by_source_total", {"source": "local_compute"})
 
 
 async def conversation(
     session: aiohttp.ClientSession, base: str, args: argparse.Namespace, seed: int, start_at: float
 ) -> float:
     """One agentic conversation; its TTFET. Each later turn appends 16 tokens standing in for the previous
-    answer and ``appended`` for the tool's result (the same tokens in both arms)."""
+    answer and ``appended`` for the tool's result (the same tokens in both arms). Each turn streams 16 tokens
+    with the conversation's ``x-session-id``."""
     rng = random.Random(seed)
     await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     arrived = time.perf_counter()
     prompt = [rng.randrange(16, 1000) for _ in range(args.first)]
+    headers = {SESSION_HEADER: f"conversation-{seed}"}
     first = 0.0
     for index in range(args.turns):
         if index:
             await asyncio.sleep(args.gap)  # the agent runs a tool
             prompt += [rng.randrange(16, 1000) for _ in range(16 + args.appended)]
-        first = await turn(session, base, prompt, f"conversation-{seed}")
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+        first = await first_token_at(session, base, body, headers)
     return first - arrived
 
 
@@ -146,42 +115,6 @@ async def run_arm(base: str, args: argparse.Namespace) -> list[float]:
         )
 
 
-def peer_command(port: int, policy: str, prefillers: list[str], decoders: list[str], pd: bool) -> list[str]:
-    """vllm-router in front of the engines: over the decoders, or (``pd``) its vLLM P/D mode. Its warning
-    level logs three lines per request: error only."""
-    command = [str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
-               "--policy", policy, "--log-level", "error", "--worker-startup-check-interval", "1",
-               "--prometheus-port", str(free_port())]  # fmt: skip
-    if pd:
-        command += ["--vllm-pd-disaggregation", *(a for p in prefillers for a in ("--prefill", p))]
-        return command + [a for d in decoders for a in ("--decode", d)]
-    return [*command, "--worker-urls", *decoders]
-
-
-@contextlib.contextmanager
-def peer_router(command: list[str], port: int) -> Iterator[str]:
-    """vllm-router running ``command`` until the block ends; its URL once it is ready (all workers healthy)."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=dict(os.environ))  # noqa: S603 - pinned
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vllm-router exited ({process.returncode}): {' '.join(command)}")
-            try:
-                if httpx.get(f"{url}/readiness", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("vllm-router did not become ready")
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
 def arm_result(ttfet: list[float], recomputed: float) -> dict[str, Any]:
     return {
         "n": len(ttfet),
@@ -195,8 +128,10 @@ def arm_result(ttfet: list[float], recomputed: float) -> dict[str, Any]:
 
 def best_peer(arms: dict[str, dict[str, Any]]) -> str | None:
     """The vllm-router arm with the lowest p95 TTFET (the first such on a tie); None when none has a p95."""
-    ranked = [(arm["ttfet_p95_s"], name) for name, arm in arms.items() if arm["ttfet_p95_s"] is not None]
-    return min(ranked, key=lambda pair: pair[0])[1] if ranked else None
+    try:
+        return str(best_of([{"name": name, **arm} for name, arm in arms.items()], "ttfet_p95_s")["name"])
+    except ValueError:
+        return None
 
 
 def main() -> int:
@@ -209,7 +144,7 @@ def main() -> int:
     parser.add_argument("--gap", type=float, default=1.0, help="tool-call gap between turns, s (default 1)")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--peer-policies", nargs="*", default=list(PEER_POLICIES),
+    parser.add_argument("--peer-policies", nargs="*", default=list(POLICIES),
                         help="vllm-router policies over the decoders (default: %(default)s)")  # fmt: skip
     parser.add_argument("--no-peer-pd", action="store_true", help="leave out vllm-router's P/D mode arm")
     parser.add_argument("--arms", nargs="*", default=["request", "turn", "conversation"],
@@ -218,46 +153,19 @@ def main() -> int:
     model = bench_model(args.layers, args.hidden_size)
     config = {"priorityClasses": CLASSES, "costModel": measured_cost_model(model)}
     workdir = Path(tempfile.mkdtemp(prefix="coserve-ttfet-"))
-    handoff = Path("/dev/shm") / f"coserve-ttfet-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff's directory
-    handoff.mkdir()
     results: dict[str, Any] = {}
     peers: dict[str, dict[str, Any]] = {}
-    with ExitStack() as stack:
-        engines: dict[str, list[str]] = {"prefiller": [], "decoder": []}
-        for role, index, kv_role, extra in (
-            ("prefiller", 0, "kv_producer", {}),
-            ("decoder", 0, "kv_consumer", {"host_memory_bytes": 1 << 30}),
-            ("decoder", 1, "kv_consumer", {"host_memory_bytes": 1 << 30}),
-        ):
-            say(f"starting {role} {index}")
-            settings = EngineSettings(
-                model=model,
-                workdir=workdir / f"{role}-{index}",
-                engine_config=config,
-                max_model_len=8192,
-                kv={"handoff_backend": "shm", "handoff_path": str(handoff), **extra},
-                kv_role=kv_role,
-                dev_mode=True,
-            )
-            engines[role].append(stack.enter_context(EngineServer(settings)).base)
-        everyone = engines["prefiller"] + engines["decoder"]
+    with pd_pool(model, workdir, config, PoolShape(prefillers=1, decoders=2)) as pool:
         for placement in args.arms:
-            reset(everyone)
-            for child in handoff.iterdir():
-                child.unlink()
-            router_config = {"model": "tiny", "decoders": engines["decoder"], "priorityClasses": CLASSES,
-                             "placement": placement, "pollS": 0.5}  # fmt: skip
-            if placement != "request":  # the shm handoff keeps a prompt's KV only when the router asks for it
-                router_config["prefillers"] = engines["prefiller"]
-                router_config["kvTransferParams"] = router_sends_transfer_params(Handoff.SHM)
-            router = Served(build_app(parse_router_config(router_config)))
-            try:
-                before = computed_tokens(engines["decoder"])
+            pool.clear()
+            router_config = pool.router_config(CLASSES, placement=placement)
+            if placement == "request":  # no prefiller; the shm handoff keeps a prompt's KV only when asked to
+                del router_config["prefillers"], router_config["kvTransferParams"]
+            with router_in_thread(router_config) as url:
+                before = computed_tokens(pool.decoders)
                 say(f"{placement} placement: {args.conversations} conversations of {args.turns} turns")
-                ttfet = asyncio.run(run_arm(router.url, args))
-                recomputed = computed_tokens(engines["decoder"]) - before
-            finally:
-                router.stop()
+                ttfet = asyncio.run(run_arm(url, args))
+                recomputed = computed_tokens(pool.decoders) - before
             results[placement] = arm_result(ttfet, recomputed)
             say(f"{placement}: TTFET p50 {percentile(ttfet, 50):.2f} s over {len(ttfet)}, decoders computed "
                 f"{recomputed:.0f} prompt tokens")  # fmt: skip
@@ -265,17 +173,19 @@ def main() -> int:
         if not args.no_peer_pd:
             peer_arms.append((f"vllm-router P/D {PEER_PD_POLICY}", PEER_PD_POLICY, True))
         for name, policy, pd in peer_arms:
-            reset(everyone)
-            for child in handoff.iterdir():
-                child.unlink()
+            pool.clear()
             port = free_port()
-            command = peer_command(port, policy, engines["prefiller"], engines["decoder"], pd)
+            command = (
+                vllm_router_pd_command(port, policy, pool.prefillers, pool.decoders)
+                if pd
+                else vllm_router_command(port, policy, pool.decoders)
+            )
             try:
-                with peer_router(command, port) as url:
-                    before = computed_tokens(engines["decoder"])
+                with vllm_router(command, port) as url:
+                    before = computed_tokens(pool.decoders)
                     say(f"{name}: {args.conversations} conversations of {args.turns} turns")
                     ttfet = asyncio.run(run_arm(url, args))
-                    recomputed = computed_tokens(engines["decoder"]) - before
+                    recomputed = computed_tokens(pool.decoders) - before
             except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as error:  # an arm that fails is reported
                 say(f"{name} failed: {error}")
                 peers[name] = {"policy": policy, "pd": pd, "error": str(error)[:500], "n": 0, "ttfet_p50_s": None,
@@ -284,14 +194,11 @@ def main() -> int:
             peers[name] = arm_result(ttfet, recomputed) | {"policy": policy, "pd": pd}
             say(f"{name}: TTFET p50 {percentile(ttfet, 50):.2f} s, p95 {percentile(ttfet, 95):.2f} s; decoders "
                 f"computed {recomputed:.0f} prompt tokens")  # fmt: skip
-    for child in handoff.iterdir():
-        child.unlink()
-    handoff.rmdir()
     arms = {**results, **peers}
-    print(f"\n{'arm':34}{'TTFET p50 s':>13}{'p95 s':>9}{'decoder prompt tokens computed':>32}")
+    table = Table("arm", [("TTFET p50 s", 13), ("p95 s", 9), ("decoder prompt tokens computed", 32), ("", 2)], 34)
     for name, arm in arms.items():
-        print(f"{name:34}{show(arm['ttfet_p50_s'], '{:.2f}'):>13}{show(arm['ttfet_p95_s'], '{:.2f}'):>9}"
-              f"{show(arm['decoder_computed_prompt_tokens'], '{:.0f}'):>32}{'  ' + arm.get('error', '')}")  # fmt: skip
+        computed = show(arm["decoder_computed_prompt_tokens"], "{:.0f}")
+        table.row(name, arm["ttfet_p50_s"], arm["ttfet_p95_s"], computed, "  " + arm.get("error", ""))
     if not {"request", "turn", "conversation"} <= set(results):
         say("not every coserve arm ran: nothing written")
         return 0
@@ -352,17 +259,11 @@ def main() -> int:
     return 0
 
 
-def show(value: float | None, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
 def ratios(ours: dict[str, Any], base: dict[str, Any]) -> tuple[float | None, float]:
     """``base``'s p95 TTFET over ours (None without both p95s) and its decoder recomputation over ours."""
     computed = ours["decoder_computed_prompt_tokens"]
     recompute = base["decoder_computed_prompt_tokens"] / computed if computed else float("inf")
-    if base["ttfet_p95_s"] is None or not ours["ttfet_p95_s"]:
-        return None, recompute  # too few conversations for a p95
-    return base["ttfet_p95_s"] / ours["ttfet_p95_s"], recompute
+    return ratio(base["ttfet_p95_s"], ours["ttfet_p95_s"]), recompute  # None: too few conversations for a p95
 
 
 if __name__ == "__main__":

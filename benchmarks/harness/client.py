@@ -47,7 +47,6 @@ class Outcome:
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
 
-
 def warm_up(base: str, lengths: tuple[int, ...] = (8, 200), timeout_s: float = 300.0) -> None:
     """One short completion per prompt length at ``base`` (an engine or the router), before anything is timed:
     vLLM's first steps of each shape, and a pool's first handoff, are slow."""
@@ -179,8 +178,6 @@ def dump_outcome(outcome: Outcome) -> dict[str, Any]:
 
 def failures(outcomes: Sequence[Outcome]) -> list[str]:
     return [f"{o.request.cls}: {o.error}" for o in outcomes if o.error is not None]
-
-
 
 
 def reset_prefix_caches(urls: Iterable[str]) -> None:

@@ -37,7 +37,7 @@ from .stats import say
 
 # The router served on a real port in a thread: the tests' helper, one copy for both.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from router_served import Served, free_port  # noqa: E402
+from router_served import Served, free_port
 
 __all__ = ["free_port"]  # re-exported: the scripts that start processes on ports take it from here
 
@@ -92,8 +92,6 @@ def measured_cost_model(model: Path) -> dict[str, float]:
     if not isinstance(cost, dict):
         raise RuntimeError(f"{path} has no costModel")
     return {key: float(value) for key, value in cost.items() if key.startswith("k")}
-
-
 
 
 def coserve_settings(model: Path, workdir: Path, config: Mapping[str, Any], **options: Any) -> EngineSettings:

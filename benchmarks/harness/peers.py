@@ -3,6 +3,7 @@
 Who calls what: ``ttfet.py`` puts vllm-router in front of the same engines coserve's router serves;
 ``router_overhead.py`` puts it in front of the same fake upstream, each process on its own core
 (``launched``). Each sweeps vllm-router's policies, as a competent operator of it would.
+``reconcile.py`` runs its API server emulator and the operator under test with ``launched`` too.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -66,17 +68,33 @@ def _ready(url: str) -> bool:
 
 @contextmanager
 def launched(
-    command: list[str], cores: set[int], env: dict[str, str] | None = None, quiet: bool = False
+    command: list[str],
+    cores: set[int] | None = None,
+    env: dict[str, str] | None = None,
+    quiet: bool = False,
+    log: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """``command`` running on ``cores`` while the block runs (``quiet``: its stdout dropped)."""
-    process = subprocess.Popen(  # noqa: S603 - this script, our own CLI, the pinned vllm-router
-        command,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL if quiet else None,
-        preexec_fn=lambda: os.sched_setaffinity(0, cores),
-    )
-    try:
-        yield process
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    """``command`` running while the block runs: on ``cores`` (None: this process's), its stdout dropped
+    (``quiet``) or appended with its stderr to ``log``. Stopped when the block ends, killed if it will not stop."""
+    with ExitStack() as stack:
+        output: Any = None
+        if log is not None:
+            output = stack.enter_context(log.open("a"))
+        elif quiet:
+            output = subprocess.DEVNULL
+        process = subprocess.Popen(  # noqa: S603 - this script, our own CLI, the pinned vllm-router
+            command,
+            env={**os.environ, **(env or {})},
+            stdout=output,
+            stderr=subprocess.STDOUT if log is not None else None,
+            preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores),
+        )
+        try:
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

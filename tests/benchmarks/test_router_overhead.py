@@ -44,3 +44,10 @@ def test_the_best_of_a_tie_is_the_first_swept(router_overhead: ModuleType) -> No
     tied = [row("round_robin", 1, 0.001, 0.0002, 6000), row("round_robin", 2, 0.001, 0.0002, 6000)]
     assert router_overhead.best_of(tied, "added_p99_s")["worker_threads"] == 1
     assert router_overhead.best_of(tied, "requests_per_s", highest=True)["worker_threads"] == 1
+
+
+def test_vllm_router_runs_over_the_upstream_without_health_checks_during_the_run(router_overhead: ModuleType) -> None:
+    command = router_overhead.peer_command("http://up", 9000, "cache_aware")
+    assert command[command.index("--worker-urls") :] == ["--worker-urls", "http://up"]
+    assert command[command.index("--health-check-interval-secs") + 1] == "3600"
+    assert command[command.index("--log-level") + 1] == "error"  # warning logs every request

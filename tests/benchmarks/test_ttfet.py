@@ -25,11 +25,12 @@ def test_the_ratios_are_the_baselines_over_ours(ttfet: ModuleType) -> None:
 
 
 def test_vllm_router_runs_over_the_decoders_or_in_its_pd_mode(ttfet: ModuleType) -> None:
-    plain = ttfet.peer_command(9000, "consistent_hash", ["http://p"], ["http://d0", "http://d1"], pd=False)
+    """ttfet's vllm-router arms: ``harness.peers``' command lines, over the decoders or in its P/D mode."""
+    plain = ttfet.vllm_router_command(9000, "consistent_hash", ["http://d0", "http://d1"])
     assert plain[plain.index("--worker-urls") :] == ["--worker-urls", "http://d0", "http://d1"]
     assert plain[plain.index("--policy") + 1] == "consistent_hash" and "--vllm-pd-disaggregation" not in plain
     assert plain[plain.index("--log-level") + 1] == "error"  # warning logs every request
-    pd = ttfet.peer_command(9000, "cache_aware", ["http://p"], ["http://d0", "http://d1"], pd=True)
+    pd = ttfet.vllm_router_pd_command(9000, "cache_aware", ["http://p"], ["http://d0", "http://d1"])
     assert "--vllm-pd-disaggregation" in pd and "--worker-urls" not in pd
     assert pd[pd.index("--prefill") + 1] == "http://p"
     assert [pd[i + 1] for i, a in enumerate(pd) if a == "--decode"] == ["http://d0", "http://d1"]
