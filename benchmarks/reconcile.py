@@ -58,8 +58,7 @@ from typing import Any
 import httpx
 import kmock
 import yaml
-from harness.engines import free_port
-from harness.peers import launched
+from harness.peers import free_port, launched
 from harness.results import Table, ratio, show, write_result
 from harness.stats import reportable_percentile, say
 

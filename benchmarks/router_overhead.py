@@ -62,8 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from harness.engines import free_port
-from harness.peers import POLICIES, launched, vllm_router_command
+from harness.peers import POLICIES, free_port, launched, vllm_router_command
 from harness.results import Table, ratio, show, write_result
 from harness.stats import percentile, say
 from harness.sweep import best_of

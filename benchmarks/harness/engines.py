@@ -33,13 +33,12 @@ from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
 
 from .client import reset_prefix_caches
+from .peers import free_port
 from .stats import say
 
 # The router served on a real port in a thread: the tests' helper, one copy for both.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from router_served import Served, free_port
-
-__all__ = ["free_port"]  # re-exported: the scripts that start processes on ports take it from here
+from router_served import Served
 
 
 def bench_model(layers: int, hidden_size: int) -> Path:

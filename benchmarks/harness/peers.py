@@ -9,6 +9,7 @@ Who calls what: ``ttfet.py`` puts vllm-router in front of the same engines coser
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -19,9 +20,14 @@ from typing import Any
 
 import httpx
 
-from .engines import free_port
-
 POLICIES = ("round_robin", "consistent_hash", "cache_aware")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 no one listens on now (for a process this run is about to start)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def vllm_router_command(port: int, policy: str, workers: Sequence[str], *extra: str) -> list[str]:
