@@ -66,8 +66,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
-from _stats import PairedOverhead, finite, percentile, reportable_percentile, say  # noqa: E402
 from freshness import stamp  # noqa: E402
+from harness.stats import PairedOverhead, finite, percentile, reportable_percentile, say  # noqa: E402
 
 from coserve.engine.kv_copies import DeviceKVCopier  # noqa: E402
 from coserve.engine.layer_safepoints import (  # noqa: E402
