@@ -126,7 +126,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _harness import RESULTS, TRACES, TraceRow, load_trace, say, trace_label, write_result
+from harness.results import RESULTS, Table, figure, show, write_result
+from harness.stats import say
+from harness.sweep import best_of, pareto
+from harness.workload import TRACES, TraceRow, load_trace, trace_label
 
 from coserve.api.parse import parse_pool
 from coserve.api.profile import EngineProfile
@@ -552,7 +555,7 @@ def load_steps(arrived: Sequence[float], smooth_s: int = 120, tolerance: float =
 def best_point(sweep: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The rule's setting with the fewest SLO-violation minutes, then the fewest replica-hours (the frontier's
     most expensive point)."""
-    return min(sweep, key=lambda s: (s["slo_violation_minutes"], s["replica_hours"]))
+    return best_of(sweep, lambda s: (s["slo_violation_minutes"], s["replica_hours"]))
 
 
 # (replica-hours, SLO-violation minutes)
@@ -562,11 +565,7 @@ Point = tuple[float, float]
 def pareto_frontier(points: Sequence[Point]) -> list[Point]:
     """The points no other point beats on both counts, sorted by replica-hours; each one has strictly fewer
     violation minutes than every cheaper one (a tie in replica-hours keeps the fewer minutes)."""
-    frontier: list[Point] = []
-    for hours, minutes in sorted(points):
-        if not frontier or minutes < frontier[-1][1]:
-            frontier.append((hours, minutes))
-    return frontier
+    return sorted(pareto(points, lambda point: (-point[0], -point[1])))  # fewer of both is better
 
 
 def frontier_minutes_at(frontier: Sequence[Point], hours: float) -> float:
@@ -837,20 +836,19 @@ def print_table(results: Sequence[dict[str, Any]]) -> None:
             f"\n{result['trace']}: {result['requests']:,} requests, x{result['scale']:.2f} rate, "
             f"{result['load_steps']} load steps"
         )
-        print(f"{'':34}{'coserve':>12}{head:>26}")
+        table = Table("", [("coserve", 12), (head, 26)], label_width=34)
         for label, key, fmt in (
             ("SLO-violation minutes", "slo_violation_minutes", "{}"),
             ("requests missing the SLO (%)", "requests_missing_slo_pct", "{:.2f}"),
             ("replica-hours", "replica_hours", "{:.2f}"),
             ("TTFT p99 (s)", "ttft_p99_s", "{:.2f}"),
         ):
-            print(f"{label:34}{fmt.format(ours[key]):>12}{fmt.format(best[key]):>26}")
+            table.row(label, show(ours[key], fmt), show(best[key], fmt))
         for role in ("prefillers", "decoders"):
-            print(
-                f"{role + ' direction changes':34}{ours['direction_changes'][role]:>12}"
-                f"{best['direction_changes'][role]:>26}"
+            table.row(
+                f"{role} direction changes", str(ours["direction_changes"][role]), str(best["direction_changes"][role])
             )
-            print(f"{'max ' + role:34}{ours['max_replicas'][role]:>12}{best['max_replicas'][role]:>26}")
+            table.row(f"max {role}", str(ours["max_replicas"][role]), str(best["max_replicas"][role]))
         frontier = ", ".join(
             f"{point['replica_hours']:.2f} h/{point['slo_violation_minutes']:g} min"
             for point in result["baseline_frontier"]
@@ -876,69 +874,64 @@ def print_table(results: Sequence[dict[str, Any]]) -> None:
 
 
 def plot(plots: Sequence[dict[str, Any]]) -> None:
-    import matplotlib
+    size = (7 * len(plots), 10)
+    with figure(RESULTS / "autoscaling.png", rows=4, columns=len(plots), size=size, dpi=90, squeeze=False) as axes:
+        for column, plotted in enumerate(plots):
+            plot_trace([row[column] for row in axes], plotted)
+        axes[0][0].figure.suptitle("autoscaling in coserve.sim (the simulated pool of `coserve simulate`)")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(4, len(plots), figsize=(7 * len(plots), 10), squeeze=False)
-    for column, plotted in enumerate(plots):
-        arrivals: Arrivals = plotted["arrivals"]
-        counts = per_second(arrivals)
-        length = len(plotted["coserve"].replicas)
-        minutes = [s / 60 for s in range(length)]
-        smooth = [
-            sum(counts[max(0, i - 60) : i + 1]) / min(i + 1, 61) if i < len(counts) else 0.0 for i in range(length)
-        ]
-        best = plotted["best"]
-        axes[0][column].plot(minutes, smooth)
-        axes[0][column].set_ylabel("requests/s (1-min mean)")
-        axes[0][column].set_title(f"{arrivals.label} (x{arrivals.scale:.2f} rate, {arrivals.speedup:g}x sped up)")
-        for index, role in enumerate(("prefillers", "decoders")):
-            axis = axes[index + 1][column]
-            axis.plot(minutes, [r[index] for r in plotted["coserve"].replicas], label="coserve")
-            axis.plot(
-                minutes,
-                [r[index] for r in plotted["baseline"].replicas],
-                label=f"best rule (d{best['decoder_target']:g}/p{best['prefiller_target']:g})",
-            )
-            axis.set_ylabel(role)
-            axis.legend()
-        axes[2][column].set_xlabel("simulated minutes")
-        sweep_axis = axes[3][column]
-        sweep_axis.scatter(
-            [s["replica_hours"] for s in plotted["sweep"]],
-            [s["slo_violation_minutes"] for s in plotted["sweep"]],
-            label="rule sweep",
-            s=14,
+def plot_trace(axes: Sequence[Any], plotted: dict[str, Any]) -> None:
+    """One trace's column: its arrivals, each role's replicas (coserve and the best rule), and the sweep."""
+    arrivals: Arrivals = plotted["arrivals"]
+    counts = per_second(arrivals)
+    length = len(plotted["coserve"].replicas)
+    minutes = [s / 60 for s in range(length)]
+    smooth = [sum(counts[max(0, i - 60) : i + 1]) / min(i + 1, 61) if i < len(counts) else 0.0 for i in range(length)]
+    best = plotted["best"]
+    axes[0].plot(minutes, smooth)
+    axes[0].set_ylabel("requests/s (1-min mean)")
+    axes[0].set_title(f"{arrivals.label} (x{arrivals.scale:.2f} rate, {arrivals.speedup:g}x sped up)")
+    for index, role in enumerate(("prefillers", "decoders")):
+        axis = axes[index + 1]
+        axis.plot(minutes, [r[index] for r in plotted["coserve"].replicas], label="coserve")
+        axis.plot(
+            minutes,
+            [r[index] for r in plotted["baseline"].replicas],
+            label=f"best rule (d{best['decoder_target']:g}/p{best['prefiller_target']:g})",
         )
-        plot_frontier(sweep_axis, plotted["frontier"], plotted["ours"]["replica_hours"])
-        sweep_axis.scatter(
-            [best["replica_hours"]],
-            [best["slo_violation_minutes"]],
-            marker="s",
-            s=50,
-            facecolors="none",
-            edgecolors="C1",
-            label="best rule",
-        )
-        sweep_axis.scatter(
-            [plotted["ours"]["replica_hours"]],
-            [plotted["ours"]["slo_violation_minutes"]],
-            marker="*",
-            s=120,
-            color="C3",
-            label="coserve",
-            zorder=3,
-        )
-        sweep_axis.set_xlabel("replica-hours")
-        sweep_axis.set_ylabel("SLO-violation minutes")
-        sweep_axis.legend()
-    figure.suptitle("autoscaling in coserve.sim (the simulated pool of `coserve simulate`)")
-    figure.tight_layout()
-    RESULTS.mkdir(exist_ok=True)
-    figure.savefig(RESULTS / "autoscaling.png", dpi=90)
-    plt.close(figure)
+        axis.set_ylabel(role)
+        axis.legend()
+    axes[2].set_xlabel("simulated minutes")
+    sweep_axis = axes[3]
+    sweep_axis.scatter(
+        [s["replica_hours"] for s in plotted["sweep"]],
+        [s["slo_violation_minutes"] for s in plotted["sweep"]],
+        label="rule sweep",
+        s=14,
+    )
+    plot_frontier(sweep_axis, plotted["frontier"], plotted["ours"]["replica_hours"])
+    sweep_axis.scatter(
+        [best["replica_hours"]],
+        [best["slo_violation_minutes"]],
+        marker="s",
+        s=50,
+        facecolors="none",
+        edgecolors="C1",
+        label="best rule",
+    )
+    sweep_axis.scatter(
+        [plotted["ours"]["replica_hours"]],
+        [plotted["ours"]["slo_violation_minutes"]],
+        marker="*",
+        s=120,
+        color="C3",
+        label="coserve",
+        zorder=3,
+    )
+    sweep_axis.set_xlabel("replica-hours")
+    sweep_axis.set_ylabel("SLO-violation minutes")
+    sweep_axis.legend()
 
 
 def plot_frontier(axis: Any, frontier: Sequence[Point], coserve_hours: float) -> None:

@@ -46,23 +46,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _harness import (
-    RESULTS,
-    BenchRequest,
-    Outcome,
-    TraceRow,
-    add_trace_argument,
-    bench_model,
-    class_report,
-    failures,
-    load_trace,
-    measured_cost_model,
-    random_prompt,
-    say,
-    stream_one,
-    trace_label,
-    write_result,
-)
+from harness.client import Outcome, class_report, failures, stream_one, warm_up
+from harness.engines import bench_model, coserve_settings, measured_cost_model, stock_settings
+from harness.results import RESULTS, Table, figure, ratio, show, write_result
+from harness.stats import say
+from harness.sweep import pareto
+from harness.workload import BenchRequest, TraceRow, add_trace_argument, load_trace, random_prompt, trace_label
 
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.scheduling.requests import ClassRegistry
@@ -163,39 +152,27 @@ def run_engine(
     rows = []
     with EngineServer(settings) as server:
         say(f"[{label}] engine up")
-        httpx.post(
-            f"{server.base}/v1/completions",
-            timeout=300,
-            json={"model": "tiny", "prompt": list(range(20, 220)), "max_tokens": 4},
-        ).raise_for_status()
+        warm_up(server.base, (200,))
         for online, concurrency in phases:
             say(f"[{label}] {len(online)} online requests over {duration_s:.0f} s, offline concurrency {concurrency}")
             result = asyncio.run(phase(server.base, online, concurrency, duration_s, seed=concurrency))
             row = summarize(result, classes, concurrency, label)
             rows.append(row)
-            attained = row["online_attainment"]
             say(
-                f"[{label}] c={concurrency}: online attainment "
-                f"{'-' if attained is None else f'{100 * attained:.1f}%'}, "
+                f"[{label}] c={concurrency}: online attainment {percent(row['online_attainment'])}, "
                 f"offline {row['offline_tokens_per_s']:.0f} tok/s"
             )
     return rows
 
 
-def pareto(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The points no other point beats on both offline tokens/s and online attainment, by throughput."""
-    front = [
-        p
-        for p in points
-        if not any(
-            q["offline_tokens_per_s"] >= p["offline_tokens_per_s"]
-            and q["online_attainment"] >= p["online_attainment"]
-            and (q["offline_tokens_per_s"], q["online_attainment"])
-            != (p["offline_tokens_per_s"], p["online_attainment"])
-            for q in points
-        )
-    ]
-    return sorted(front, key=lambda p: p["offline_tokens_per_s"])
+def percent(share: float | None) -> str:
+    return show(None if share is None else 100 * share, "{:.1f}%")
+
+
+def stock_frontier(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stock's Pareto frontier: the points no other point beats on both offline tokens/s and online
+    attainment, by throughput."""
+    return pareto(points, lambda p: (p["offline_tokens_per_s"], p["online_attainment"]))
 
 
 def frontier_throughput(points: list[dict[str, Any]], attainment: float) -> float | None:
@@ -206,44 +183,36 @@ def frontier_throughput(points: list[dict[str, Any]], attainment: float) -> floa
 
 
 def plot(path: Path, stock: list[dict[str, Any]], front: list[dict[str, Any]], coserve: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for index, budget in enumerate(sorted({p["budget"] for p in stock})):
-        mine = sorted((p for p in stock if p["budget"] == budget), key=lambda p: p["offline_concurrency"])
+    with figure(path, size=(7.5, 4.5), dpi=110) as ax:
+        for index, budget in enumerate(sorted({p["budget"] for p in stock})):
+            mine = sorted((p for p in stock if p["budget"] == budget), key=lambda p: p["offline_concurrency"])
+            ax.plot(
+                [p["offline_tokens_per_s"] for p in mine],
+                [100 * p["online_attainment"] for p in mine],
+                "o:",
+                color=f"C{index}",
+                label=f"stock priority, budget {budget} (c = 0, 1, 4, 8)",
+            )
         ax.plot(
-            [p["offline_tokens_per_s"] for p in mine],
-            [100 * p["online_attainment"] for p in mine],
-            "o:",
-            color=f"C{index}",
-            label=f"stock priority, budget {budget} (c = 0, 1, 4, 8)",
+            [p["offline_tokens_per_s"] for p in front],
+            [100 * p["online_attainment"] for p in front],
+            "-",
+            color="black",
+            linewidth=1,
+            label="stock Pareto frontier",
         )
-    ax.plot(
-        [p["offline_tokens_per_s"] for p in front],
-        [100 * p["online_attainment"] for p in front],
-        "-",
-        color="black",
-        linewidth=1,
-        label="stock Pareto frontier",
-    )
-    ax.plot(
-        [coserve["offline_tokens_per_s"]],
-        [100 * coserve["online_attainment"]],
-        "*",
-        markersize=15,
-        color="C3",
-        label=f"coserve (c={coserve['offline_concurrency']})",
-    )
-    ax.set_xlabel("offline throughput (tokens/s)")
-    ax.set_ylabel("online attainment: TTFT and TPOT within SLO (%)")
-    ax.set_title("online attainment vs harvested offline throughput")
-    ax.legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.plot(
+            [coserve["offline_tokens_per_s"]],
+            [100 * coserve["online_attainment"]],
+            "*",
+            markersize=15,
+            color="C3",
+            label=f"coserve (c={coserve['offline_concurrency']})",
+        )
+        ax.set_xlabel("offline throughput (tokens/s)")
+        ax.set_ylabel("online attainment: TTFT and TPOT within SLO (%)")
+        ax.set_title("online attainment vs harvested offline throughput")
+        ax.legend(loc="lower left", fontsize=8)
 
 
 def main() -> int:
@@ -277,56 +246,56 @@ def main() -> int:
     }
     coserve, alone = run_engine(
         "coserve",
-        EngineSettings(model=model, workdir=workdir, engine_config=config),
+        coserve_settings(model, workdir, config),
         [(online, args.offline_concurrency), ([], args.offline_concurrency)],
         args.duration,
     )
-    harvest = coserve["offline_tokens_per_s"] / alone["offline_tokens_per_s"] if alone["offline_tokens_per_s"] else None
+    harvest = ratio(coserve["offline_tokens_per_s"], alone["offline_tokens_per_s"])
     say(f"[coserve] harvest fraction {harvest}")
     if args.skip_stock:
         return 0
     stock: list[dict[str, Any]] = []
     for budget in budgets:
-        settings = EngineSettings(
-            model=model,
-            workdir=workdir,
-            coserve=False,
-            max_num_batched_tokens=budget,
-            extra_args=["--scheduling-policy", "priority"],
-        )
+        settings = stock_settings(model, workdir, budget, "priority")
         rows = run_engine(f"stock b{budget}", settings, [(online, c) for c in stock_levels], args.duration)
         stock += [{**row, "budget": budget} for row in rows]
 
-    front = pareto(stock)
+    front = stock_frontier(stock)
     online_only = max(p["online_attainment"] for p in stock if p["offline_concurrency"] == 0)
     judged_at = coserve["online_attainment"] - ATTAINMENT_TOLERANCE
     stock_at = frontier_throughput(stock, judged_at)
-    ratio = coserve["offline_tokens_per_s"] / stock_at if stock_at else None
-    beyond = coserve["offline_tokens_per_s"] > 0 and (stock_at is None or (ratio or 0.0) >= TARGET_OFFLINE_RATIO)
+    offline_ratio = ratio(coserve["offline_tokens_per_s"], stock_at)
+    beyond = coserve["offline_tokens_per_s"] > 0 and (
+        stock_at is None or (offline_ratio or 0.0) >= TARGET_OFFLINE_RATIO
+    )
     protects_online = coserve["online_attainment"] >= online_only - ATTAINMENT_TOLERANCE
     met = beyond and protects_online and not coserve["online_failures"]
 
     print(f"\n{len(online)} online requests per phase over {args.duration:.0f} s ({args.online_rate}/s)")
-    print(f"{'set-up':24}{'offline tok/s':>14}{'online att.':>12}{'TTFT p50 s':>11}{'TPOT p50 s':>11}{'frontier':>9}")
+    table = Table(
+        "set-up",
+        [("offline tok/s", 14), ("online att.", 12), ("TTFT p50 s", 11), ("TPOT p50 s", 11), ("frontier", 9)],
+    )
     for row in [*stock, coserve]:
-        label = row["setup"] + f" c={row['offline_concurrency']}"
-        ttft, tpot = row["online"]["ttft_p50_s"], row["online"]["tpot_p50_s"]
-        print(
-            f"{label:24}{row['offline_tokens_per_s']:>14.0f}{100 * row['online_attainment']:>11.1f}%"
-            f"{ttft or float('nan'):>11.2f}{tpot or float('nan'):>11.3f}{'yes' if row in front else '':>9}"
+        table.row(
+            row["setup"] + f" c={row['offline_concurrency']}",
+            f"{row['offline_tokens_per_s']:.0f}",
+            percent(row["online_attainment"]),
+            show(row["online"]["ttft_p50_s"]),
+            show(row["online"]["tpot_p50_s"], "{:.3f}"),
+            "yes" if row in front else "",
         )
     print(
         f"coserve with no online load: {alone['offline_tokens_per_s']:.0f} offline tok/s; harvest "
-        + ("-" if harvest is None else f"{harvest:.1%}")
+        + show(harvest, "{:.1%}")
     )
     print(
         f"\nstock frontier at online attainment >= {100 * judged_at:.1f}%: "
-        + (f"{stock_at:.0f} tok/s; coserve {ratio:.2f}x" if stock_at else "no stock point reaches it")
+        + (f"{stock_at:.0f} tok/s; coserve {offline_ratio:.2f}x" if stock_at else "no stock point reaches it")
         + f" (target >= {TARGET_OFFLINE_RATIO}x); coserve online {100 * coserve['online_attainment']:.1f}% vs best "
         f"online-only {100 * online_only:.1f}%; target {'met' if met else 'NOT met'}"
     )
     png = RESULTS / "coserving.png"
-    RESULTS.mkdir(exist_ok=True)
     plot(png, stock, front, coserve)
     out = write_result(
         "coserving",
@@ -337,7 +306,7 @@ def main() -> int:
                 "TTFT-and-TPOT attainment (within 2 points), with online attainment within 2 points of online-only"
             ),
             "met": bool(met),
-            "offline_ratio_vs_stock_frontier": ratio,
+            "offline_ratio_vs_stock_frontier": offline_ratio,
             "stock_frontier_tokens_per_s_at_coserve_attainment": stock_at,
             "judged_at_online_attainment": judged_at,
             "attainment_tolerance": ATTAINMENT_TOLERANCE,

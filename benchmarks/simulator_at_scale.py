@@ -67,7 +67,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from _harness import RESULTS, TRACES, reportable_percentile, say, write_result
+from harness.results import RESULTS, Table, figure, ratio, show, write_result
+from harness.stats import reportable_percentile, say
+from harness.sweep import best_of
+from harness.workload import TRACES
 
 from coserve.api.problems import InvalidInput
 from coserve.api.spec import SpecModel
@@ -279,9 +282,8 @@ def placements_at(
             "measured_lifetime_s": lifetimes(result),
         }
     conversation, per_turn, per_request = (arms[p] for p in PLACEMENTS)
-    cut = None
-    if conversation["p95_s"] is not None and per_turn["p95_s"]:
-        cut = 1 - conversation["p95_s"] / per_turn["p95_s"]
+    share = ratio(conversation["p95_s"], per_turn["p95_s"])
+    cut = None if share is None else 1 - share
     never_worse = all(
         conversation[q] is not None and per_request[q] is not None and conversation[q] <= per_request[q]
         for q in ("p50_s", "p95_s")
@@ -442,7 +444,7 @@ def goroute_at_scale(setting: Setting, requests: int) -> dict[str, Any]:
                     "rate_per_s": trace_rate * speedup,
                     "arms": arms,
                     "best_baseline": best,
-                    "gain_ratio": goroute["gain"] / arms[best]["gain"] if arms[best]["gain"] else None,
+                    "gain_ratio": ratio(goroute["gain"], arms[best]["gain"]),
                     "top_class_margin": margin,
                     "top_class_margin_wanted": wanted,
                     "top_class_not_lower": margin >= 0,
@@ -544,7 +546,7 @@ def harvest_at_scale(setting: Setting, conversations: int) -> dict[str, Any]:
                     "concurrency": concurrency,
                     "offline_alone_tokens_per_s": capacity,
                     "harvested_tokens_per_s": harvested,
-                    "fraction_of_offline_alone": harvested / capacity if capacity else None,
+                    "fraction_of_offline_alone": ratio(harvested, capacity),
                     "online_attainment": online_attainment(result),
                 }
             )
@@ -556,7 +558,7 @@ def harvest_at_scale(setting: Setting, conversations: int) -> dict[str, Any]:
     by_route = {}
     for route in OFFLINE_ROUTES:
         fine = [s for s in sweep if s["route"] == route and s["online_attainment"] >= ONLINE_ATTAINMENT]
-        by_route[route] = max(fine, key=lambda s: s["harvested_tokens_per_s"]) if fine else None
+        by_route[route] = best_of(fine, "harvested_tokens_per_s", highest=True) if fine else None
     best = by_route["router"]
     fraction = best["fraction_of_offline_alone"] if best else None
     before = by_route["placement"]
@@ -704,28 +706,32 @@ def main() -> int:
     return 0
 
 
-def print_table(results: dict[str, dict[str, Any]]) -> None:
-    def s(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
+TTFET_COLUMNS = [("D", 4), ("W err", 7), ("pool", 9), ("conv p50", 10), ("conv p95", 10), ("turn p95", 10),
+                 ("req p50", 10), ("req p95", 10), ("cut", 7), ("ok", 5)]  # fmt: skip
 
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
     for profile, doc in results.get("ttfet_at_scale", {}).get("profiles", {}).items():
         op = doc["operating_point"]
         print(
             f"\nttfet_at_scale, {profile} (p95 TTFET, s): operating point {op['prefillers']}P+{op['decoders']}D at "
-            f"{op['rate_per_s']:.3f} conv/s: cut vs per-turn {s(doc['p95_cut_vs_per_turn_at_operating_point'])}"
+            f"{op['rate_per_s']:.3f} conv/s: cut vs per-turn {show(doc['p95_cut_vs_per_turn_at_operating_point'])}"
         )
-        print(
-            f"{'workload':10}{'D':>4}{'W err':>7}{'pool':>9}{'conv p50':>10}{'conv p95':>10}{'turn p95':>10}"
-            f"{'req p50':>10}{'req p95':>10}{'cut':>7}{'ok':>5}"
-        )
+        table = Table("workload", TTFET_COLUMNS, label_width=10)
         for row in doc["grid"]:
             a = row["arms"]
-            print(
-                f"{row['workload']:10}{row['size']:>4}{row['w_error']:>7.0%}"
-                f"{str(row['prefillers']) + 'P+' + str(row['decoders']) + 'D':>9}"
-                f"{s(a['conversation']['p50_s']):>10}{s(a['conversation']['p95_s']):>10}{s(a['per-turn']['p95_s']):>10}"
-                f"{s(a['per-request']['p50_s']):>10}{s(a['per-request']['p95_s']):>10}"
-                f"{s(row['p95_cut_vs_per_turn']):>7}{'yes' if row['not_worse_than_per_request'] else 'no':>5}"
+            table.row(
+                row["workload"],
+                str(row["size"]),
+                f"{row['w_error']:.0%}",
+                f"{row['prefillers']}P+{row['decoders']}D",
+                a["conversation"]["p50_s"],
+                a["conversation"]["p95_s"],
+                a["per-turn"]["p95_s"],
+                a["per-request"]["p50_s"],
+                a["per-request"]["p95_s"],
+                row["p95_cut_vs_per_turn"],
+                "yes" if row["not_worse_than_per_request"] else "no",
             )
     for profile, doc in results.get("goroute_at_scale", {}).get("profiles", {}).items():
         print(f"\ngoroute_at_scale, {profile} (top-class attainment; TDG gain ratio vs the better baseline)")
@@ -733,10 +739,10 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             arms = p["arms"]
             print(
                 f"{p['engines']:>3} engines {p['load']:.1f}x  "
-                f"top: goroute {s(arms['goroute']['top_class_attainment'])} "
-                f"rr {s(arms['round-robin']['top_class_attainment'])} "
-                f"ll {s(arms['least-loaded']['top_class_attainment'])}  margin {p['top_class_margin']:+.3f}  "
-                f"gain ratio {s(p['gain_ratio'])}  {'ok' if p['met'] else 'MISS'}"
+                f"top: goroute {show(arms['goroute']['top_class_attainment'])} "
+                f"rr {show(arms['round-robin']['top_class_attainment'])} "
+                f"ll {show(arms['least-loaded']['top_class_attainment'])}  margin {p['top_class_margin']:+.3f}  "
+                f"gain ratio {show(p['gain_ratio'])}  {'ok' if p['met'] else 'MISS'}"
             )
     for profile, doc in results.get("harvest_at_scale", {}).get("profiles", {}).items():
         setup = doc["setup"]
@@ -744,7 +750,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         for row in doc["sweep"]:  # by route, then lines in flight
             print(
                 f"{row['route']:>9} {row['concurrency']:>5} lines  {row['harvested_tokens_per_s']:>10,.0f} tokens/s  "
-                f"{s(row['fraction_of_offline_alone'])} of offline-only  online {row['online_attainment']:.1%}"
+                f"{show(row['fraction_of_offline_alone'])} of offline-only  online {row['online_attainment']:.1%}"
             )
     for profile, doc in results.get("simulator_speed", {}).get("profiles", {}).items():
         print(
@@ -758,37 +764,35 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
 def plot(doc: dict[str, Any]) -> None:
     """Per profile: p95 TTFET (agentic) and p95 turn TTFT (Mooncake, whose TTFET is its own turns' schedule)
     against rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     profiles = list(doc["profiles"])
-    figure, grid = plt.subplots(len(profiles), 2, figsize=(11, 3.8 * len(profiles)), squeeze=False)
-    for axes, profile in zip(grid, profiles, strict=True):
-        section = doc["profiles"][profile]
-        for axis, name, key in zip(axes, ("agentic", "mooncake"), ("p95_s", "turn_ttft_p95_s"), strict=True):
-            for placement, marker in zip(PLACEMENTS, "os^", strict=True):
-                for error, style in zip(W_ERRORS, ("-", "--", ":"), strict=True):
-                    rows = [r for r in section["grid"] if r["workload"] == name and r["w_error"] == error]
-                    values = [r["arms"][placement][key] for r in rows]
-                    axis.plot(
-                        [r["rate_per_s"] for r in rows],
-                        [v if v is not None else float("nan") for v in values],
-                        marker=marker,
-                        linestyle=style,
-                        label=f"{placement}, W err {error:.0%}",
-                    )
-            axis.set_xscale("log")
-            axis.set_yscale("log")
-            axis.set_xlabel("conversations/s (agentic: the plan's 8, 16, 32 decoders; Mooncake: 1x, 4x, 16x)")
-            axis.set_ylabel("p95 TTFET (s)" if name == "agentic" else "p95 TTFT of every turn (s)")
-            axis.set_title(f"{name}, {profile}")
-            axis.grid(alpha=0.3)
-        axes[1].legend(fontsize=6, ncol=1)
-    figure.tight_layout()
-    figure.savefig(RESULTS / "ttfet_at_scale.png", dpi=100)
-    plt.close(figure)
+    size = (11, 3.8 * len(profiles))
+    with figure(
+        RESULTS / "ttfet_at_scale.png", rows=len(profiles), columns=2, size=size, dpi=100, squeeze=False
+    ) as grid:
+        for axes, profile in zip(grid, profiles, strict=True):
+            plot_profile(axes, doc["profiles"][profile], profile)
+
+
+def plot_profile(axes: Sequence[Any], section: dict[str, Any], profile: str) -> None:
+    for axis, name, key in zip(axes, ("agentic", "mooncake"), ("p95_s", "turn_ttft_p95_s"), strict=True):
+        for placement, marker in zip(PLACEMENTS, "os^", strict=True):
+            for error, style in zip(W_ERRORS, ("-", "--", ":"), strict=True):
+                rows = [r for r in section["grid"] if r["workload"] == name and r["w_error"] == error]
+                values = [r["arms"][placement][key] for r in rows]
+                axis.plot(
+                    [r["rate_per_s"] for r in rows],
+                    [v if v is not None else float("nan") for v in values],
+                    marker=marker,
+                    linestyle=style,
+                    label=f"{placement}, W err {error:.0%}",
+                )
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("conversations/s (agentic: the plan's 8, 16, 32 decoders; Mooncake: 1x, 4x, 16x)")
+        axis.set_ylabel("p95 TTFET (s)" if name == "agentic" else "p95 TTFT of every turn (s)")
+        axis.set_title(f"{name}, {profile}")
+        axis.grid(alpha=0.3)
+    axes[1].legend(fontsize=6, ncol=1)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ say "$([ "$DRY_RUN" -eq 1 ] && echo "dry run" || echo "GPU check"): python $PYTH
 need_cmd timeout
 need_cmd "$PYTHON"
 for file in "$POOL" "$DRIVER" benchmarks/gpu/rendered_engine.py benchmarks/preemption.py benchmarks/kv_offload.py \
-  benchmarks/harness/stats.py src/coserve/__main__.py; do
+  benchmarks/harness/__init__.py benchmarks/harness/stats.py benchmarks/harness/client.py benchmarks/harness/engines.py src/coserve/__main__.py; do
   need_file "$file"
 done
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"

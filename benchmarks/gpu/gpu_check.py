@@ -46,11 +46,12 @@ from rendered_engine import (
 )
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCHMARKS))  # preemption.py and kv_offload.py import their neighbour harness
+sys.path.insert(0, str(BENCHMARKS))  # preemption.py and kv_offload.py import their neighbour package harness
 
 import kv_offload  # noqa: E402
 import preemption  # noqa: E402
 from freshness import stamp  # noqa: E402
+from harness.client import metric_total  # noqa: E402
 from harness.stats import finite  # noqa: E402
 
 from coserve.engine.profiler import default_model_cache  # noqa: E402
@@ -127,9 +128,9 @@ def reload_rows(base: str, reps: int) -> dict[str, Any]:
         reload, recompute, loaded = [], [], []
         for _ in range(reps):
             kv_offload.reset(base, host_pool=False)
-            before = kv_offload.counter(base, "vllm:external_prefix_cache_hits_total")
+            before = metric_total(base, "vllm:external_prefix_cache_hits_total")
             reload.append(kv_offload.time_to_first_token(base, tokens))
-            loaded.append(kv_offload.counter(base, "vllm:external_prefix_cache_hits_total") - before)
+            loaded.append(metric_total(base, "vllm:external_prefix_cache_hits_total") - before)
             kv_offload.reset(base, host_pool=True)
             recompute.append(kv_offload.time_to_first_token(base, tokens))
         rows[str(length)] = {

@@ -68,24 +68,36 @@ class Table:
 
     def _line(self, label: str, cells: Sequence[str]) -> str:
         widths = [width for _, width in self.columns]
-        return f"{label:{self.label_width}}" + "".join(f"{cell:>{width}}" for cell, width in zip(cells, widths))
+        cells_text = "".join(f"{cell:>{width}}" for cell, width in zip(cells, widths, strict=False))
+        return f"{label:{self.label_width}}{cells_text}"
 
 
 @contextmanager
-def figure(path: Path, *, columns: int = 1, size: tuple[float, float] = (7.0, 4.5)) -> Iterator[Any]:
+def figure(
+    path: Path,
+    *,
+    rows: int = 1,
+    columns: int = 1,
+    size: tuple[float, float] = (7.0, 4.5),
+    dpi: int = 120,
+    **layout: Any,
+) -> Iterator[Any]:
     """A matplotlib figure (headless) whose axes the block draws on; saved to ``path`` when it ends.
 
-    Yields one axis, or a list of ``columns`` axes side by side.
+    Yields what ``plt.subplots(rows, columns)`` gives: one axis, or an array of them (``layout`` goes to
+    ``plt.subplots`` too: ``squeeze=False`` for a grid always two-dimensional, ``gridspec_kw``). The
+    figure itself is any axis's ``.figure`` (a ``suptitle``).
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, columns, figsize=size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(rows, columns, figsize=size, **layout)
     try:
         yield axes
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=dpi)
     finally:
         plt.close(fig)

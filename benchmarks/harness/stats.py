@@ -13,9 +13,9 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from statistics import NormalDist
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np

@@ -12,17 +12,19 @@ from typing import Any, TypeVar
 Item = TypeVar("Item")
 
 
-def best_of(rows: Sequence[dict[str, Any]], key: str, highest: bool = False) -> dict[str, Any]:
+def best_of(rows: Sequence[Item], key: str | Callable[[Item], Any], highest: bool = False) -> Item:
     """The swept configuration best at ``key`` (lowest, or ``highest``); the first such on a tie.
 
-    Rows whose ``key`` is None (an arm that failed, too few samples) are never the best; ValueError when
-    no row has it.
+    ``key`` names a column of dict rows, or is a function scoring any row (a tuple of figures orders as
+    tuples do: a tie on the first is broken by the next). Rows whose ``key`` is None (an arm that failed,
+    too few samples) are never the best; ValueError when no row has it.
     """
-    candidates = [row for row in rows if row.get(key) is not None]
+    score = key if callable(key) else lambda row: row.get(key)  # type: ignore[attr-defined]
+    candidates = [(value, row) for row in rows if (value := score(row)) is not None]
     if not candidates:
-        raise ValueError(f"no swept configuration has {key}")
+        raise ValueError(f"no swept configuration has {key if isinstance(key, str) else 'a score'}")
     pick = max if highest else min
-    return pick(candidates, key=lambda row: row[key])
+    return pick(candidates, key=lambda pair: pair[0])[1]
 
 
 def pareto(items: Sequence[Item], score: Callable[[Item], tuple[float, float]]) -> list[Item]:
@@ -34,9 +36,7 @@ def pareto(items: Sequence[Item], score: Callable[[Item], tuple[float, float]]) 
     scored = [(score(item), item) for item in items]
     front: list[tuple[tuple[float, float], Item]] = []
     for point, item in scored:
-        dominated = any(
-            other[0] >= point[0] and other[1] >= point[1] and other != point for other, _ in scored
-        )
+        dominated = any(other[0] >= point[0] and other[1] >= point[1] and other != point for other, _ in scored)
         if not dominated and all(point != kept for kept, _ in front):
             front.append((point, item))
     return [item for _, item in sorted(front, key=lambda pair: pair[0])]

@@ -1,5 +1,5 @@
-"""The benchmark scripts, imported as they run: their folder first on sys.path, so ``_harness`` and their
-other neighbours import as they do when the script is run."""
+"""The benchmark scripts, imported as they run: their folder first on sys.path, so the ``harness`` package
+and their other neighbours import as they do when the script is run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -24,8 +24,15 @@ def _script(name: str) -> Iterator[ModuleType]:
 
 
 @pytest.fixture(scope="module")
-def harness() -> Iterator[ModuleType]:
-    yield from _script("_harness")
+def harness() -> Iterator[SimpleNamespace]:
+    """benchmarks/harness's modules with no engine or client in them: stats, results, workload, sweep."""
+    saved = list(sys.path)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        names = ("stats", "results", "workload", "sweep")
+        yield SimpleNamespace(**{name: importlib.import_module(f"harness.{name}") for name in names})
+    finally:
+        sys.path[:] = saved
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ def point(tokens: float, attainment: float) -> dict[str, float]:
 
 def test_the_frontier_keeps_only_points_nothing_beats_on_both(coserving: ModuleType) -> None:
     points = [point(0, 0.98), point(100, 0.97), point(90, 0.90), point(300, 0.80), point(300, 0.70)]
-    front = coserving.pareto(points)
+    front = coserving.stock_frontier(points)
     assert front == [point(0, 0.98), point(100, 0.97), point(300, 0.80)]
 
 

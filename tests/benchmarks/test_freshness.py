@@ -99,7 +99,7 @@ def test_a_module_newly_imported_on_a_measured_path_stales_the_results_that_reac
 def test_what_a_result_measures_follows_imports_and_the_modules_vllm_loads_by_name(freshness: ModuleType) -> None:
     read = freshness.worktree()
     kv_pool = freshness.measured_files("kv_pool", read)
-    assert {"benchmarks/kv_pool.py", "benchmarks/_harness.py", "src/coserve/kv/pool.py"} <= set(kv_pool)
+    assert {"benchmarks/kv_pool.py", "benchmarks/harness/results.py", "src/coserve/kv/pool.py"} <= set(kv_pool)
     assert SCHEDULER not in kv_pool
     engine = freshness.measured_files("priority_scheduling", read)
     assert {SCHEDULER, "src/coserve/engine/worker.py", "src/coserve/engine/connector.py"} <= set(engine)
