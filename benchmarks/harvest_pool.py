@@ -40,7 +40,8 @@ from unittest import mock
 import aiohttp
 import httpx
 from harness.client import TurnFailed, first_token_at
-from harness.engines import bench_model, measured_cost_model, pd_pool, router_in_thread
+from harness.engines import bench_model, measured_cost_model
+from harness.pool import pd_pool, router_in_thread
 from harness.results import Table, show, write_result
 from harness.stats import say
 

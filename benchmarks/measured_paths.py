@@ -19,6 +19,9 @@ ENGINE = (
     "src/coserve/engine/connector.py",
 )
 GPU = ("benchmarks/gpu",)
+# What the GPU scripts import from ``benchmarks/`` by putting it on sys.path (an import this file's
+# resolution, which starts in the script's own folder, does not find).
+GPU_STATS = ("benchmarks/harness/stats.py",)
 
 MEASURED: dict[str, tuple[str, ...]] = {
     "preemption_latency": (*ENGINE, "benchmarks/preemption.py"),
@@ -48,9 +51,9 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "safepoint_overhead_cuda": (*ENGINE, *GPU, "benchmarks/preemption.py"),
     "kv_reload_cuda": (*ENGINE, *GPU, "benchmarks/kv_offload.py"),
     # the plain-PyTorch GPU check: coserve's safepoint objects without vLLM
-    "torch_preemption_latency_cuda": ("benchmarks/gpu/torch_check.py",),
-    "torch_safepoint_overhead_cuda": ("benchmarks/gpu/torch_check.py",),
-    "torch_decode_graphs_cuda": ("benchmarks/gpu/torch_check.py",),
-    "torch_kv_offload_cuda": ("benchmarks/gpu/torch_check.py",),
-    "torch_cost_model_cuda": ("benchmarks/gpu/torch_check.py",),
+    "torch_preemption_latency_cuda": ("benchmarks/gpu/torch_check.py", *GPU_STATS),
+    "torch_safepoint_overhead_cuda": ("benchmarks/gpu/torch_check.py", *GPU_STATS),
+    "torch_decode_graphs_cuda": ("benchmarks/gpu/torch_check.py", *GPU_STATS),
+    "torch_kv_offload_cuda": ("benchmarks/gpu/torch_check.py", *GPU_STATS),
+    "torch_cost_model_cuda": ("benchmarks/gpu/torch_check.py", *GPU_STATS),
 }

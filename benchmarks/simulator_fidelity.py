@@ -64,7 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.client import Outcome, metric_total, replay, warm_up
-from harness.engines import PoolShape, bench_model, coserve_settings, pd_pool, router_process
+from harness.engines import bench_model, coserve_settings
+from harness.pool import PoolShape, pd_pool, router_process
 from harness.results import RESULTS, Table, write_result
 from harness.stats import MIN_SAMPLES, reportable_percentile, say
 from harness.workload import AZURE_CONV, BenchRequest, load_trace, random_prompt

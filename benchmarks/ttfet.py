@@ -57,8 +57,9 @@ from typing import Any
 
 import aiohttp
 from harness.client import first_token_at, metric_total
-from harness.engines import PoolShape, bench_model, measured_cost_model, pd_pool, router_in_thread
+from harness.engines import bench_model, measured_cost_model
 from harness.peers import POLICIES, free_port, vllm_router, vllm_router_command, vllm_router_pd_command
+from harness.pool import PoolShape, pd_pool, router_in_thread
 from harness.results import Table, ratio, show, write_result
 from harness.stats import percentile, reportable_percentile, say
 from harness.sweep import best_of

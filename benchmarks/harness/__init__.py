@@ -8,8 +8,8 @@ here, so that the GPU check can import ``harness.stats`` on a machine with PyTor
 - ``results``: result files (stamped with what they measured), tables, ratios, PNGs.
 - ``workload``: the traces in ``data/traces``, requests and prompts.
 - ``client``: the streaming client, open-loop replay, per-class reports, engine metrics and caches.
-- ``engines``: the benchmark model, its measured cost model, stock and coserve engines, a local P/D
-  pool with its router.
+- ``engines``: the benchmark model, its measured cost model, stock and coserve engines.
+- ``pool``: a local P/D pool of coserve engines and the coserve router in front of it.
 - ``peers``: vLLM's own router (``vllm-router``) and other processes pinned to cores.
 - ``sweep``: the best arm of a sweep and Pareto frontiers.
 

@@ -104,6 +104,5 @@ class BenchRequest:
     priority: int
 
 
-
 def random_prompt(rng: random.Random, length: int, vocab: int = 1024) -> list[int]:
     return [rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(length)]
