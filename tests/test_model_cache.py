@@ -9,6 +9,8 @@ Concurrent pods are separate processes on one directory, as pods are on one volu
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import multiprocessing
 import os
@@ -154,6 +156,29 @@ def test_an_unwritable_cache_is_a_reason_not_a_traceback(tmp_path: Path, capsys:
     assert code == 2
     assert f"model-download: cannot write to the cache {not_a_dir / 'hub'}: " in capsys.readouterr().err
     assert downloads(tmp_path / "c") == 0
+
+
+def test_a_file_system_without_flock_is_a_reason_not_a_soft_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where flock fails (ENOSYS: the file system has no locks), the command stops: no soft-lock fallback,
+    no download. ``fcntl.flock`` is replaced because no file system here lacks locks."""
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    cache_dir = tmp_path / "hub"
+
+    code = main(["--model", MODEL, "--cache-dir", str(cache_dir)], download=writing_downloader(tmp_path / "c"))
+
+    assert code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"model-download: cannot lock {lock_path(cache_dir, MODEL)}: {os.strerror(errno.ENOSYS)}"
+        " (the cache's file system must support file locks)"
+    )
+    assert downloads(tmp_path / "c") == 0
+    assert not marker_path(cache_dir, MODEL).exists()
 
 
 def test_the_real_hub_path_offline_fails_with_a_reason(tmp_path: Path) -> None:

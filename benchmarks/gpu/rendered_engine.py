@@ -5,7 +5,8 @@ What runs is the decoder ``coserve render`` gives for the pool: vLLM's OpenAI se
 ``SafepointGPUWorker``, ``TDGScheduler``, the request validator and MultiConnector with coserve's
 connector first, then NixlConnector. No ``--enforce-eager``: vLLM compiles the model and, because
 coserve's connector asks for it (``requires_piecewise_for_cudagraph``), captures piecewise CUDA
-graphs split at attention. Substituted, as in ``tests/engine/test_render_parity.py``, and nothing else:
+graphs split at attention. Substituted by ``coserve.engine.rendered.local_launch``, the code
+``tests/engine/test_render_parity.py`` launches its engines with, and nothing else:
 
 - ``python3`` → this interpreter; ``--model`` (an HF id) → the tiny model's folder;
 - ``--port`` → a free port, plus ``--host 127.0.0.1``; ``--served-model-name`` gets the alias
@@ -31,24 +32,31 @@ import copy
 import json
 import os
 import re
-import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from coserve.engine.launch import engine_healthy
+from coserve.engine.launch import engine_healthy, free_port
+from coserve.engine.rendered import (
+    Launch,
+    Substitutions,
+    config_files,
+    engine_container,
+    example_connector,
+    flag_values,
+    local_launch,
+)
 from coserve.engine.safepoint import SafepointBoard
-from coserve.engine.validation import ROUTER_TOKEN_FILE_ENV
 
 __all__ = [
     "EngineStartError",
     "GPUEngine",
     "Launch",
     "Rendered",
+    "free_port",
     "log_facts",
     "nixl_failed",
     "plan_launch",
@@ -60,15 +68,8 @@ SERVED_ALIAS = "tiny"  # the model name the benchmark functions send
 SHM = Path("/dev/shm")  # noqa: S108 - where POSIX shared memory (the safepoint board) lives
 BOARD_PREFIX = "coserve-sp-"
 WORKER = "coserve.engine.worker.SafepointGPUWorker"
-API_SERVER = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 NIXL_LOG = re.compile(r"nixl|ucx", re.IGNORECASE)
 FAILURE = re.compile(r"error|exception|fail|not available", re.IGNORECASE)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def pool_variant(document: dict[str, Any]) -> dict[str, Any]:
@@ -89,104 +90,41 @@ class Rendered:
 
     @classmethod
     def load(cls, path: Path) -> Rendered:
-        items = json.loads(path.read_text())["items"]
-        (deployment,) = [
-            o
-            for o in items
-            if o["kind"] == "Deployment" and o["metadata"]["labels"].get("coserve.dev/role") == "decoder"
-        ]
-        (config_map,) = [o for o in items if o["kind"] == "ConfigMap"]
-        return cls(dict(deployment["spec"]["template"]["spec"]["containers"][0]), dict(config_map["data"]))
-
-    @property
-    def mount(self) -> str:
-        (mount,) = [m for m in self.container["volumeMounts"] if m["name"] == "config"]
-        return str(mount["mountPath"])
-
-
-@dataclass
-class Launch:
-    """One engine's command line and environment, from the rendering and the substitutions."""
-
-    argv: list[str]
-    env: dict[str, str]  # added to this process's environment
-    connectors: list[str]
-    substitutions: list[str] = field(default_factory=list)
+        objects = json.loads(path.read_text())["items"]
+        return cls(engine_container(objects, "decoder"), config_files(objects))
 
 
 def plan_launch(
     rendered: Rendered, model: Path, config_dir: Path, *, safepoints: bool, substitute_nixl: bool, kv_dir: Path
 ) -> Launch:
     """The module docstring's substitutions, applied to the rendered decoder; nothing else changes."""
-    command = list(rendered.container["command"])
-    if command != API_SERVER:
-        raise ValueError(f"the rendered decoder runs {command}, not {API_SERVER}")
-    args = list(rendered.container["args"])
+    _check_gpu_rendering(rendered.container)
+    substitutions = Substitutions(
+        model=str(model), port=free_port(), mounts={"config": config_dir}, served_alias=SERVED_ALIAS,
+        nixl=example_connector(kv_dir) if substitute_nixl else None, safepoints=safepoints, router_token=False,
+    )  # fmt: skip
+    launch = local_launch(rendered.container, substitutions)
+    connectors = launch.connectors
+    if connectors[:1] != ["CoServeConnector"] or "--worker-cls" not in launch.argv:
+        raise ValueError(f"expected MultiConnector with CoServeConnector first and --worker-cls, got {connectors}")
+    launch.env["VLLM_SERVER_DEV_MODE"] = "1"
+    if "NixlConnector" in connectors:
+        launch.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    return launch
+
+
+def _check_gpu_rendering(container: dict[str, Any]) -> None:
+    """What this check needs of the rendering: CUDA graphs, the GPU worker, MultiConnector."""
+    args = list(container["args"])
     if "--enforce-eager" in args:
         raise ValueError("the rendered decoder has --enforce-eager: it would run without CUDA graphs")
-    port = free_port()
-
-    mounted = re.compile(re.escape(rendered.mount) + r"(?=/|\"|$)")  # /etc/coserve, not /etc/coserve-token
-
-    def local(value: str) -> str:
-        return mounted.sub(str(config_dir), value)
-
-    argv = [sys.executable, *command[1:]]
-    connectors: list[str] = []
-    index = 0
-    while index < len(args):
-        flag = args[index]
-        value = args[index + 1] if index + 1 < len(args) and not args[index + 1].startswith("--") else None
-        index += 1 if value is None else 2
-        extra: list[str] = []
-        if flag == "--model":
-            value = str(model)
-        elif flag == "--port":
-            value = str(port)
-        elif flag == "--served-model-name" and value != SERVED_ALIAS:
-            extra = [SERVED_ALIAS]
-        elif flag == "--worker-cls" and value != WORKER:
-            raise ValueError(f"the rendered decoder's worker is {value}, expected {WORKER}")
-        elif flag == "--kv-transfer-config":
-            transfer = _transfer(json.loads(value or "{}"), safepoints, substitute_nixl, kv_dir)
-            connectors = [c["kv_connector"] for c in transfer["kv_connector_extra_config"]["connectors"]]
-            value = json.dumps(transfer)
-        argv += [flag] if value is None else [flag, local(value), *extra]
-    argv += ["--host", "127.0.0.1"]
-    if connectors[:1] != ["CoServeConnector"] or "--worker-cls" not in argv:
-        raise ValueError(f"expected MultiConnector with CoServeConnector first and --worker-cls, got {connectors}")
-    env = {e["name"]: local(e["value"]) for e in rendered.container.get("env") or [] if "value" in e}
-    env |= {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    substitutions = [
-        "python3 -> this interpreter",
-        "--model <HF id> -> the tiny model's folder",
-        "--port -> a free port, plus --host 127.0.0.1",
-        f"--served-model-name + alias {SERVED_ALIAS!r}",
-        f"ConfigMap mount {rendered.mount} -> {config_dir}",
-    ]
-    if env.pop(ROUTER_TOKEN_FILE_ENV, None) is not None:
-        substitutions.append(f"{ROUTER_TOKEN_FILE_ENV} left out: the benchmark clients send no router token")
-    if "NixlConnector" in connectors:
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-    if substitute_nixl:
-        substitutions.append("NixlConnector -> ExampleConnector (same position, same kv_role): NIXL cannot start here")
-    if not safepoints:
-        substitutions.append('baseline: "safepoints": false in coserve\'s connector settings')
-    return Launch(argv, env, connectors, substitutions)
-
-
-def _transfer(transfer: dict[str, Any], safepoints: bool, substitute_nixl: bool, kv_dir: Path) -> dict[str, Any]:
-    if transfer.get("kv_connector") != "MultiConnector":
-        raise ValueError(f"the GPU rendering should use MultiConnector, got {transfer.get('kv_connector')}")
-    children = []
-    for child in transfer["kv_connector_extra_config"]["connectors"]:
-        if child["kv_connector"] == "CoServeConnector" and not safepoints:
-            child = {**child, "kv_connector_extra_config": {**child["kv_connector_extra_config"], "safepoints": False}}
-        if child["kv_connector"] == "NixlConnector" and substitute_nixl:
-            child = {"kv_connector": "ExampleConnector", "kv_role": child["kv_role"],
-                     "kv_connector_extra_config": {"shared_storage_path": str(kv_dir)}}  # fmt: skip
-        children.append(child)
-    return {**transfer, "kv_connector_extra_config": {**transfer["kv_connector_extra_config"], "connectors": children}}
+    flags = dict(flag_values(args))
+    if "--worker-cls" in flags and flags["--worker-cls"] != WORKER:
+        raise ValueError(f"the rendered decoder's worker is {flags['--worker-cls']}, expected {WORKER}")
+    if "--kv-transfer-config" in flags:
+        kind = json.loads(flags["--kv-transfer-config"] or "{}").get("kv_connector")
+        if kind != "MultiConnector":
+            raise ValueError(f"the GPU rendering should use MultiConnector, got {kind}")
 
 
 # --- a running engine ----------------------------------------------------------------------------------

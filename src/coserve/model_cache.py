@@ -11,16 +11,19 @@ and downloads; the others wait on the lock, then find the completion marker and
 finish at once; a pod that starts later finds the marker without locking::
 
     <cache-dir>/                                 the Hugging Face hub cache (models--org--name/...)
-    <cache-dir>/.coserve/<model>-<hash>.lock     held (flock) while a pod downloads the model
+    <cache-dir>/.coserve/<model>-<hash>.lock     held (flock, via filelock) while a pod downloads the model
     <cache-dir>/.coserve/<model>-<hash>.complete written once the download succeeded
 
 A failed download leaves no marker, so the next pod (or the kubelet's retry of
 this init container) tries again, resuming from the files already fetched.
 
-NOTE: ``fcntl.flock`` on a network file system: Linux NFS clients emulate it with
+NOTE: ``flock`` on a network file system: Linux NFS clients emulate it with
 POSIX byte-range locks, which NFSv4 servers enforce across clients, and CephFS and
 most CSI file systems support it natively. Where locks are not supported the
-command says so and exits 2 rather than risk two pods writing one file.
+command says so and exits 2 rather than risk two pods writing one file. So the lock is
+filelock's ``UnixFileLock`` with its soft-lock fallback off: a soft lock is a marker
+file, and once the pod that wrote it dies mid-download, pods on other nodes cannot
+tell it from a live holder.
 
 The downloader is injected (``fill_cache(download=...)``), so the locking and the
 marker are tested without the Hub; ``main`` uses ``huggingface_hub.snapshot_download``,
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -42,7 +44,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+
+import filelock
 
 __all__ = [
     "STATE_DIR",
@@ -121,26 +124,26 @@ def _model_lock(cache_dir: Path, model: str, log: Log) -> Iterator[None]:
     path = lock_path(cache_dir, model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle: IO[str] = path.open("a")
+        path.touch()  # here, not in filelock: a cache we cannot write is told apart from one we cannot lock
     except OSError as error:
         raise ModelCacheError(f"cannot write to the cache {cache_dir}: {error.strerror or error}") from None
-    with handle:
+    lock = filelock.UnixFileLock(path, fallback_to_soft=False)  # flock or nothing (the module's NOTE)
+    try:
         try:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log(f"another pod is downloading {model}; waiting for it")
-                waited = time.monotonic()
-                fcntl.flock(handle, fcntl.LOCK_EX)
-                log(f"waited {time.monotonic() - waited:.0f} s for the other pod")
-        except OSError as error:
-            raise ModelCacheError(
-                f"cannot lock {path}: {error.strerror or error} (the cache's file system must support file locks)"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            lock.acquire(blocking=False)
+        except filelock.Timeout:
+            log(f"another pod is downloading {model}; waiting for it")
+            waited = time.monotonic()
+            lock.acquire()
+            log(f"waited {time.monotonic() - waited:.0f} s for the other pod")
+    except OSError as error:
+        raise ModelCacheError(
+            f"cannot lock {path}: {error.strerror or error} (the cache's file system must support file locks)"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _write_marker(marker: Path, model: str) -> None:

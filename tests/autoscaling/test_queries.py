@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coserve.autoscaling.queries import DEFAULT_QUERIES, SIGNALS, queries_for
+from coserve.autoscaling.queries import DEFAULT_QUERIES, SIGNALS, fill_query, queries_for
 
 
 def test_defaults_select_the_pool_by_namespace_and_pool_label() -> None:
@@ -26,3 +26,18 @@ def test_overrides_and_selector_fill_placeholders_literally() -> None:
 def test_an_unknown_signal_is_named() -> None:
     with pytest.raises(KeyError, match=r"unknown signal.*arrivals"):
         queries_for("ns", "p", {"arrivals": "x"})
+
+
+@pytest.mark.parametrize(
+    ("template", "selector", "filled"),
+    [
+        ("up{{selector}}", None, 'up{namespace="ns",pool="p"}'),
+        ("up{{selector}} / on() x{{selector},job=\"{pool}\"}", None,
+         'up{namespace="ns",pool="p"} / on() x{namespace="ns",pool="p",job="p"}'),
+        ("up{{selector}}", 'app="{pool}",ns="{namespace}"', 'up{app="p",ns="ns"}'),
+        ("up{{selector}}", "", 'up{namespace="ns",pool="p"}'),  # an empty selector is the default one
+        ("sum(up)", 'app="{pool}"', "sum(up)"),
+    ],
+)  # fmt: skip
+def test_fill_query_fills_the_selector_then_the_pool(template: str, selector: str | None, filled: str) -> None:
+    assert fill_query(template, "ns", "p", selector) == filled

@@ -63,14 +63,9 @@ class CachedEngine(RenderedEngine):
     """The rendered decoder, its model cache mount standing for the claim."""
 
     def __init__(self, objects: list[dict[str, Any]], cache: Path, workdir: Path) -> None:
-        self.cache = cache
-        super().__init__(objects, Path(MODEL_ID), workdir)
-
-    def _env(self) -> dict[str, str]:
+        super().__init__(objects, Path(MODEL_ID), workdir, mounts={"model-cache": cache})
         (mount,) = [m for m in self.container["volumeMounts"] if m["name"] == "model-cache"]
         assert mount.get("readOnly") is True  # every engine mounts the shared cache read-only
-        self.mounts = sorted([*self.mounts, (mount["mountPath"], self.cache)], key=lambda pair: -len(pair[0]))
-        return super()._env()
 
 
 def test_the_rendered_init_container_fills_the_cache_and_the_rendered_engine_loads_from_it(

@@ -8,7 +8,8 @@ rendering (the same pool without ``nvidia.com/gpu``: coserve's connector alone),
 and show on each that layer-safepoint preemption works: abandoned steps change
 no output, and an urgent arrival stops an offline step at a layer boundary.
 
-Substituted, because it cannot exist on this machine (and nothing else):
+Substituted, because it cannot exist on this machine (and nothing else), by
+``coserve.engine.rendered.local_launch``, the code the GPU check launches its engine with:
 
 - the model (an HF id) → the tiny random-weight Llama, same max length (no downloads);
 - ``--port`` → a free port, plus ``--host 127.0.0.1``;
@@ -42,9 +43,10 @@ import httpx
 import pytest
 import yaml
 
+from coserve.engine.rendered import connector_names, engine_container
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 from engine_handle import Chaos
-from rendered_cpu_engine import RenderedEngine, cpu_variant, engine_container, render
+from rendered_cpu_engine import RenderedEngine, cpu_variant, render
 
 pytestmark = pytest.mark.slow
 
@@ -86,9 +88,7 @@ def test_the_gpu_rendering_is_multiconnector_with_coserve_first_and_the_cpu_one_
     for objects, expected in ((render(document), ["CoServeConnector", "NixlConnector"]),
                               (render(cpu_variant(document)), ["CoServeConnector"])):  # fmt: skip
         args = engine_container(objects, "decoder")["args"]
-        transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
-        children = (transfer.get("kv_connector_extra_config") or {}).get("connectors") or [transfer]
-        assert [c["kv_connector"] for c in children] == expected
+        assert connector_names(json.loads(args[args.index("--kv-transfer-config") + 1])) == expected
 
 
 def test_abandoned_steps_change_no_output_in_the_rendered_engine(rendered: RenderedEngine) -> None:

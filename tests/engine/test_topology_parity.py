@@ -29,10 +29,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from coserve.engine.rendered import config_files
 from coserve.engine.tiny_model import build_tiny_model
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
-from rendered_cpu_engine import RenderedEngine, config_files, render
+from rendered_cpu_engine import RenderedEngine, render
 from router_served import Served
 
 pytestmark = pytest.mark.slow

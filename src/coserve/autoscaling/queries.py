@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["DEFAULT_QUERIES", "DEFAULT_SELECTOR", "SIGNALS", "queries_for"]
+__all__ = ["DEFAULT_QUERIES", "DEFAULT_SELECTOR", "SIGNALS", "fill_query", "queries_for"]
 
 DEFAULT_SELECTOR = 'namespace="{namespace}",pool="{pool}"'
 
@@ -64,10 +64,20 @@ def queries_for(
     unknown = sorted(set(overrides or {}) - set(DEFAULT_QUERIES))
     if unknown:
         raise KeyError(f"unknown signal(s) {', '.join(unknown)}; known: {', '.join(DEFAULT_QUERIES)}")
+    templates = {**DEFAULT_QUERIES, **(overrides or {})}
+    return {name: fill_query(template, namespace, pool, selector) for name, template in templates.items()}
 
-    def fill(template: str) -> str:
-        return template.replace("{namespace}", namespace).replace("{pool}", pool)
 
-    where = fill(selector or DEFAULT_SELECTOR)
-    return {name: fill(template.replace("{selector}", where)) for name, template in
-            {**DEFAULT_QUERIES, **(overrides or {})}.items()}  # fmt: skip
+def fill_query(template: str, namespace: str, pool: str, selector: str | None = None) -> str:
+    """``template`` for one pool: ``{selector}`` becomes ``selector`` (by default ``DEFAULT_SELECTOR``), then
+    ``{namespace}`` and ``{pool}`` become the pool's, in the selector too; all replaced literally.
+
+    The autoscaler's signals (``queries_for``) and the pinned-conversations query of
+    ``coserve.operator.deletion_cost`` are both filled here, so they select the same series.
+    """
+    where = _fill_pool(selector or DEFAULT_SELECTOR, namespace, pool)
+    return _fill_pool(template.replace("{selector}", where), namespace, pool)
+
+
+def _fill_pool(template: str, namespace: str, pool: str) -> str:
+    return template.replace("{namespace}", namespace).replace("{pool}", pool)

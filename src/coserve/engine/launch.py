@@ -61,7 +61,8 @@ def engine_healthy(base: str) -> bool:
         return False
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (nothing holds it for the caller: bind it soon)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -72,7 +73,7 @@ class EngineServer:
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
-        self.port = _free_port()
+        self.port = free_port()
         self.engine_id = f"coserve{self.port}{os.getpid()}"
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = settings.workdir / f"vllm-{self.port}.log"

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from coserve.autoscaling.queries import DEFAULT_SELECTOR
+from coserve.autoscaling.queries import fill_query
 
 __all__ = [
     "DECODER_LABEL",
@@ -75,13 +75,9 @@ class CostPatch:
 def pinned_conversations_query(namespace: str, pool: str, selector: str | None = None) -> str:
     """The PromQL for one pool's pins per decoder; ``selector`` is ``spec.autoscaling.selector``.
 
-    Placeholders are filled as ``coserve.autoscaling.queries.queries_for`` fills them.
+    Placeholders are filled as the autoscaler's signals are (``coserve.autoscaling.queries.fill_query``).
     """
-
-    def fill(template: str) -> str:
-        return template.replace("{namespace}", namespace).replace("{pool}", pool)
-
-    return fill(PINNED_CONVERSATIONS_QUERY.replace("{selector}", fill(selector or DEFAULT_SELECTOR)))
+    return fill_query(PINNED_CONVERSATIONS_QUERY, namespace, pool, selector)
 
 
 def pins_by_ip(pins: Mapping[str, float]) -> dict[str, float]:
