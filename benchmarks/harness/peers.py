@@ -49,23 +49,25 @@ def vllm_router_pd_command(port: int, policy: str, prefillers: Sequence[str], de
 @contextmanager
 def vllm_router(command: list[str], port: int, startup_s: float = 120.0) -> Iterator[str]:
     """vllm-router running ``command`` until the block ends; its URL once it is ready (all workers healthy)."""
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=dict(os.environ))  # noqa: S603 - pinned
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_s
-        while not _ready(f"{url}/readiness"):
-            if process.poll() is not None:
-                raise RuntimeError(f"vllm-router exited ({process.returncode}): {' '.join(command)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("vllm-router did not become ready")
-            time.sleep(0.5)
+    with launched(command, quiet=True) as process:
+        wait_ready(process, f"{url}/readiness", startup_s, "vllm-router")
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
-def _ready(url: str) -> bool:
+def wait_ready(process: subprocess.Popen[bytes], url: str, startup_s: float, what: str) -> None:
+    """Return once ``url`` answers 200; RuntimeError if ``process`` exits first or ``startup_s`` pass."""
+    deadline = time.monotonic() + startup_s
+    while not answers(url):
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited ({process.returncode}): {' '.join(map(str, process.args))}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become ready in {startup_s:.0f} s")
+        time.sleep(0.5)
+
+
+def answers(url: str) -> bool:
+    """Whether ``url`` answers 200 now."""
     try:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:

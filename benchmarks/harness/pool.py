@@ -9,18 +9,13 @@ between arms with ``PDPool.clear`` and front it with the coserve router, in this
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from coserve.engine.launch import EngineServer
 from coserve.kv.handoff import Handoff, router_sends_transfer_params
@@ -29,7 +24,7 @@ from coserve.router.config import parse_router_config
 
 from .client import reset_prefix_caches
 from .engines import coserve_settings
-from .peers import free_port
+from .peers import free_port, launched, wait_ready
 from .stats import say
 
 # The router served on a real port in a thread: the tests' helper, one copy for both.
@@ -127,22 +122,7 @@ def router_process(config: Mapping[str, Any], workdir: Path, startup_s: float = 
     port = free_port()
     command = [sys.executable, "-m", "coserve", "router", "--config", str(path),
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
-    router = subprocess.Popen(command, env=dict(os.environ))  # noqa: S603 - our own CLI
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_s
-        while not _healthy(f"{base}/health"):
-            if router.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not start ({' '.join(command)})")
-            time.sleep(0.5)
+    with launched(command) as router:
+        wait_ready(router, f"{base}/health", startup_s, "the router")
         yield base
-    finally:
-        router.terminate()
-        router.wait(timeout=30)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

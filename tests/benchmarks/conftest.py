@@ -67,3 +67,15 @@ def router_overhead() -> Iterator[ModuleType]:
 def ttfet() -> Iterator[ModuleType]:
     """benchmarks/ttfet.py: conversation-level placement against coserve's baselines and vllm-router's policies."""
     yield from _script("ttfet")
+
+
+@pytest.fixture(scope="module")
+def harness_pool() -> Iterator[ModuleType]:
+    """benchmarks/harness/pool.py: the local P/D pool and the coserve router as the benchmarks start it."""
+    yield from _script("harness.pool")
+
+
+@pytest.fixture(scope="module")
+def harness_peers() -> Iterator[ModuleType]:
+    """benchmarks/harness/peers.py: vllm-router and processes started for a run."""
+    yield from _script("harness.peers")
