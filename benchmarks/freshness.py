@@ -348,7 +348,20 @@ def table(statuses: list[Status]) -> str:
     for entry in statuses:
         if entry.changed:
             lines.append(f"\n{entry.name}: changed since it was measured: {', '.join(entry.changed)}")
+            lines.append(f"  to refresh it: {rerun_hint(entry.name)}")
     return "\n".join(lines)
+
+
+def rerun_hint(name: str) -> str:
+    """How to measure ``name`` again: its benchmark script, or, for a result measured on a GPU (``*_cuda``),
+    where to find the GPU command (those runs need a CUDA machine and, but for ``torch_*``, the GPU image)."""
+    if name.endswith("_cuda"):
+        script = "benchmarks/gpu/torch_check.py" if name.startswith("torch_") else "benchmarks/gpu/check.sh"
+        return f"needs a CUDA GPU: {script}, as benchmarks/README.md's table says"
+    scripts = [root for root in MEASURED.get(name, ()) if root.startswith("benchmarks/") and root.endswith(".py")]
+    if not scripts:
+        return "see benchmarks/README.md"
+    return f".venv/bin/python {scripts[-1]} (with the machine to itself; benchmarks/README.md says how long)"
 
 
 # The README's benchmark table: each row starts with the result's name in backticks; its last cell is

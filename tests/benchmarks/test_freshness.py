@@ -189,3 +189,19 @@ def test_a_fingerprint_reads_the_same_on_every_supported_python(freshness: Modul
     assert freshness._canonical(tree) == canonical
     joined.values.append(ast.Constant("?"))  # a real change still shows
     assert freshness._canonical(tree) != canonical
+
+
+@pytest.mark.parametrize(
+    ("name", "wanted"),
+    [
+        ("priority_scheduling", ".venv/bin/python benchmarks/priority_scheduling.py"),
+        ("router_pins", ".venv/bin/python benchmarks/router_overhead.py"),
+        ("torch_decode_graphs_cuda", "needs a CUDA GPU: benchmarks/gpu/torch_check.py"),
+        ("preemption_latency_cuda", "needs a CUDA GPU: benchmarks/gpu/check.sh"),
+    ],
+)
+def test_a_stale_result_says_how_to_refresh_it(freshness: ModuleType, name: str, wanted: str) -> None:
+    stale = freshness.Status(name, "0" * 40, "2026-01-01", True, "1 measured file(s) changed", ("x.py",))
+    listing = freshness.table([stale])
+    assert f"to refresh it: {wanted}" in listing
+    assert "to refresh it" not in freshness.table([freshness.Status(name, "0" * 40, "2026-01-01", True, None)])
