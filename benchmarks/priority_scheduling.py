@@ -18,9 +18,12 @@ baseline; the whole sweep is in the JSON and the PNG. Every engine first serves 
 low load (``--low-rate``, 0.5 requests/s for 20 s) to show the SLOs are
 attainable without overload, then the overload.
 
-Workload: Poisson arrivals for ``--duration`` seconds (60) at ``--rate`` requests/s (5: overload for all).
-Lengths come from a trace (``--trace``, default the Azure LLM conversation trace, 2023), scaled to the CPU
-engine (prompt = context/8 in [16, 768], output = generated/4 in [4, 96]);
+Workload: Poisson arrivals for ``--duration`` seconds (60) at ``--load`` (1.5) times the capacity of stock
+vLLM at its defaults (fcfs, 256-token budget), measured first on this machine: the requests/s it serves when
+150 of the workload's requests arrive at once. So the overload is an overload on any machine (a fixed 5/s
+stopped being one on a faster machine, where the best stock setting then attained every class); ``--rate``
+fixes the rate instead. Lengths come from a trace (``--trace``, default the Azure LLM conversation trace,
+2023), scaled to the CPU engine (prompt = context/8 in [16, 768], output = generated/4 in [4, 96]);
 classes are drawn 30/30/40 %:
 
 =============  ======  ========  ========  ==========
@@ -41,7 +44,7 @@ Target: coserve's gain >= 1.35x the best stock point's; the top class >= 99 % SL
 attainment at a load where stock fcfs (at the best point's budget) gives it < 90 %;
 and the lowest class still served (every request finishes).
 
-    .venv/bin/python benchmarks/priority_scheduling.py       # ~25 minutes on 2 cores
+    .venv/bin/python benchmarks/priority_scheduling.py       # ~35 minutes on 2 cores
 
 Writes benchmarks/results/priority_scheduling.json and .png.
 """
@@ -76,6 +79,8 @@ CLASSES = [
 ]
 MIX = (0.3, 0.3, 0.4)
 TARGET_GAIN_RATIO = 1.35
+CAPACITY_BURST = 150  # requests sent at once to measure the capacity the load is a multiple of
+CAPACITY_SETUP = "fcfs/b256"  # stock vLLM at its defaults: whose capacity the load is a multiple of
 BUDGETS = (128, 256, 512)
 STOCK_POLICIES = ("fcfs", "priority")
 
@@ -126,15 +131,20 @@ def stage_two(best: Setup) -> list[Setup]:
     ]
 
 
-def workload(rows: list[TraceRow], rate: float, duration_s: float, seed: int) -> list[BenchRequest]:
+def workload(
+    rows: list[TraceRow], rate: float | None, duration_s: float, seed: int, count: int = 0
+) -> list[BenchRequest]:
+    """Poisson arrivals at ``rate`` for ``duration_s``; ``rate`` None: ``count`` requests all at once (a burst)."""
     rng = random.Random(seed)
     start = rng.randrange(len(rows) // 2)
     requests: list[BenchRequest] = []
     t = 0.0
     index = start
     while True:
-        t += rng.expovariate(rate)
-        if t >= duration_s:
+        if rate is None and len(requests) >= count:
+            return requests
+        t += rng.expovariate(rate) if rate is not None else 0.0
+        if t >= duration_s and rate is not None:
             return requests
         row = rows[index % len(rows)]
         index += 1
@@ -144,6 +154,23 @@ def workload(rows: list[TraceRow], rate: float, duration_s: float, seed: int) ->
         requests.append(
             BenchRequest(t, random_prompt(rng, prompt_len), output_len, CLASSES[cls_index]["name"], cls_index)
         )
+
+
+def measured_capacity(settings: EngineSettings, burst: list[BenchRequest]) -> dict[str, Any]:
+    """Requests/s the engine ``settings`` start serves when ``burst`` (all at once) arrives: finished requests
+    over the time from the first send to the last token."""
+    with EngineServer(settings) as server:
+        say(f"[capacity] engine up ({CAPACITY_SETUP}); {len(burst)} requests at once")
+        warm_up(server.base)
+        outcomes = asyncio.run(replay(server.base, burst, "capacity"))
+    done = [o for o in outcomes if o.token_times and not o.error]
+    if not done:
+        raise SystemExit(f"capacity: none of the {len(burst)} burst requests finished: {failures(outcomes)[:1]}")
+    makespan = max(o.token_times[-1] for o in done) - min(o.sent_s for o in outcomes)
+    capacity = len(done) / makespan
+    say(f"[capacity] {len(done)} requests in {makespan:.1f} s = {capacity:.2f} requests/s")
+    return {"setup": CAPACITY_SETUP, "burst": len(burst), "finished": len(done), "makespan_s": makespan,
+            "requests_per_s": capacity}  # fmt: skip
 
 
 @dataclass
@@ -220,7 +247,8 @@ def plot(path: Path, runs: list[Measured], best: Measured, coserve: Measured) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", type=float, default=5.0, help="arrivals per second (default 5: overload for all)")
+    parser.add_argument("--load", type=float, default=1.5, help="arrivals as a multiple of the measured capacity (1.5)")
+    parser.add_argument("--rate", type=float, help="arrivals per second, instead of --load (no capacity measured)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per set-up (default 60)")
     parser.add_argument("--low-rate", type=float, default=0.5, help="the low load's arrivals per second (0.5)")
     parser.add_argument("--low-duration", type=float, default=20.0, help="seconds of low load per set-up (20)")
@@ -236,9 +264,16 @@ def main() -> int:
     model = bench_model(args.layers, args.hidden_size)
     cost_model = measured_cost_model(model)
     rows = load_trace(args.trace)
-    requests = workload(rows, args.rate, args.duration, args.seed)
-    low = workload(rows, args.low_rate, args.low_duration, args.seed + 1)
     workdir = Path(tempfile.mkdtemp(prefix="coserve-bench-"))
+    capacity = None
+    rate = args.rate
+    if rate is None:
+        at_defaults = next(s for s in stage_one() if s.name == CAPACITY_SETUP)
+        burst = workload(rows, None, 0.0, args.seed + 2, count=CAPACITY_BURST)
+        capacity = measured_capacity(at_defaults.settings(model, workdir, cost_model), burst)
+        rate = args.load * capacity["requests_per_s"]
+    requests = workload(rows, rate, args.duration, args.seed)
+    low = workload(rows, args.low_rate, args.low_duration, args.seed + 1)
 
     def run(setup: Setup) -> Measured:
         return run_setup(setup, setup.settings(model, workdir, cost_model), low, requests)
@@ -257,7 +292,7 @@ def main() -> int:
         )
     possible = sum(c["possible_gain"] for c in coserve.report.values())
     names = [c["name"] for c in CLASSES]
-    print(f"\n{len(requests)} requests in {args.duration:.0f} s ({args.rate}/s); max possible gain {possible:.0f}")
+    print(f"\n{len(requests)} requests in {args.duration:.0f} s ({rate:.2f}/s); max possible gain {possible:.0f}")
     columns = [("gain", 8), *((f"{n} att.", 18) for n in names), ("low-load top att.", 19)]
     table = Table("set-up", columns, label_width=22)
     for m in [*stock, coserve]:
@@ -305,7 +340,9 @@ def main() -> int:
                 "trace": trace_label(args.trace),
                 "lengths": "prompt context/8 in [16,768], output generated/4 in [4,96]",
                 "arrivals": "Poisson",
-                "rate_per_s": args.rate,
+                "rate_per_s": rate,
+                "load": args.load if capacity is not None else None,
+                "capacity": capacity,
                 "duration_s": args.duration,
                 "requests": len(requests),
                 "low_load": {"rate_per_s": args.low_rate, "duration_s": args.low_duration, "requests": len(low)},
