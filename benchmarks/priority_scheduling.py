@@ -19,10 +19,10 @@ low load (``--low-rate``, 0.5 requests/s for 20 s) to show the SLOs are
 attainable without overload, then the overload.
 
 Workload: Poisson arrivals for ``--duration`` seconds (60) at ``--load`` (1.5) times the capacity of stock
-vLLM at its defaults (fcfs, 256-token budget), measured first on this machine: the requests/s it serves when
-150 of the workload's requests arrive at once. So the overload is an overload on any machine (a fixed 5/s
-stopped being one on a faster machine, where the best stock setting then attained every class); ``--rate``
-fixes the rate instead. Lengths come from a trace (``--trace``, default the Azure LLM conversation trace,
+vLLM with fcfs and a 256-token budget (coserve's default budget), measured first on this machine: the
+requests/s it serves when 150 of the workload's requests arrive at once. So the overload is an overload on
+any machine (a fixed 5/s stopped being one on a faster machine, where the best stock setting then attained
+every class); ``--rate`` fixes the rate instead. Lengths come from a trace (``--trace``, default the Azure LLM conversation trace,
 2023), scaled to the CPU engine (prompt = context/8 in [16, 768], output = generated/4 in [4, 96]);
 classes are drawn 30/30/40 %:
 
@@ -44,7 +44,7 @@ Target: coserve's gain >= 1.35x the best stock point's; the top class >= 99 % SL
 attainment at a load where stock fcfs (at the best point's budget) gives it < 90 %;
 and the lowest class still served (every request finishes).
 
-    .venv/bin/python benchmarks/priority_scheduling.py       # ~35 minutes on 2 cores
+    .venv/bin/python benchmarks/priority_scheduling.py       # ~25 minutes on 2 cores
 
 Writes benchmarks/results/priority_scheduling.json and .png.
 """
@@ -80,7 +80,7 @@ CLASSES = [
 MIX = (0.3, 0.3, 0.4)
 TARGET_GAIN_RATIO = 1.35
 CAPACITY_BURST = 150  # requests sent at once to measure the capacity the load is a multiple of
-CAPACITY_SETUP = "fcfs/b256"  # stock vLLM at its defaults: whose capacity the load is a multiple of
+CAPACITY_SETUP = "fcfs/b256"  # the stock set-up whose capacity the load is a multiple of
 BUDGETS = (128, 256, 512)
 STOCK_POLICIES = ("fcfs", "priority")
 
