@@ -22,8 +22,9 @@ Workload: Poisson arrivals for ``--duration`` seconds (60) at ``--load`` (1.5) t
 vLLM with fcfs and a 256-token budget (coserve's default budget), measured first on this machine: the
 requests/s it serves when 150 of the workload's requests arrive at once. So the overload is an overload on
 any machine (a fixed 5/s stopped being one on a faster machine, where the best stock setting then attained
-every class); ``--rate`` fixes the rate instead. Lengths come from a trace (``--trace``, default the Azure LLM conversation trace,
-2023), scaled to the CPU engine (prompt = context/8 in [16, 768], output = generated/4 in [4, 96]);
+every class); ``--rate`` fixes the rate instead. Lengths come from a trace (``--trace``, default the Azure
+LLM conversation trace, 2023), scaled to the CPU engine (prompt = context/8 in [16, 768], output =
+generated/4 in [4, 96]);
 classes are drawn 30/30/40 %:
 
 =============  ======  ========  ========  ==========
