@@ -17,6 +17,7 @@ the engine core.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ MAX_MODEL_LEN = 512
 STEP_TOKENS = 256
 
 
-def make_scheduler(model: Path) -> TDGScheduler:
+def make_scheduler(model: Path, tweak: Callable[[VllmConfig], None] | None = None) -> TDGScheduler:
     init_none_hash(sha256)
     model_config = ModelConfig(
         model=str(model), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
@@ -57,6 +58,8 @@ def make_scheduler(model: Path) -> TDGScheduler:
     cache_config = CacheConfig(block_size=BLOCK, cache_dtype="auto")
     cache_config.num_gpu_blocks = NUM_BLOCKS
     vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config)
+    if tweak is not None:
+        tweak(vllm_config)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(
         num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
@@ -137,3 +140,27 @@ def test_a_new_request_beside_running_decodes_gets_its_allowance_not_one_token(t
     step = run_step(scheduler)
     assert all(step[f"decode-{index}"] == 1 for index in range(3))
     assert step.get("new", 0) > 1, f"the new request's first chunk was {step.get('new', 0)} tokens"
+
+
+# --- one step in flight ----------------------------------------------------------------------------------
+# The CPU platform forces async scheduling off when VllmConfig is built, so these set it afterwards, as
+# vLLM's CUDA platform leaves it (tests/engine/test_cuda_config.py resolves that configuration).
+
+
+def _async_on(config: VllmConfig) -> None:
+    config.scheduler_config.async_scheduling = True
+
+
+def _two_stages(config: VllmConfig) -> None:
+    config.parallel_config.pipeline_parallel_size = 2
+
+
+@pytest.mark.parametrize(
+    ("tweak", "flag"), [(_async_on, "--no-async-scheduling"), (_two_stages, "--pipeline-parallel-size")],
+    ids=["async scheduling", "pipeline parallelism"],
+)  # fmt: skip
+def test_the_scheduler_refuses_to_start_with_several_steps_in_flight(
+    tiny_model: Path, tweak: Callable[[VllmConfig], None], flag: str
+) -> None:
+    with pytest.raises(ValueError, match=flag):
+        make_scheduler(tiny_model, tweak)

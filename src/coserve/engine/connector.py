@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from coserve.engine.in_flight import require_one_step_in_flight
 from coserve.engine.kv_metrics import CoServeKVPromMetrics, CoServeKVStats, merge_stats, own_stats
 from coserve.engine.layer_safepoints import (
     DEFAULT_RUNAHEAD,
@@ -90,6 +91,8 @@ class CoServeConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        if role == KVConnectorRole.SCHEDULER:
+            require_one_step_in_flight(vllm_config, "coserve's CoServeConnector")
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         safepoints = extra.get("safepoints", True)
         if not isinstance(safepoints, bool):

@@ -38,6 +38,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from coserve.engine.connector import find_connector, find_metadata
+from coserve.engine.in_flight import require_one_step_in_flight
 from coserve.engine.safepoint import PostedStep, SafepointBoard
 from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching
 from coserve.scheduling.config import CONFIG_ENV, EngineSchedulingConfig, load_engine_config
@@ -66,6 +67,7 @@ class TDGScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        require_one_step_in_flight(self.vllm_config, "coserve's TDGScheduler")
         if self.policy != SchedulingPolicy.FCFS:
             raise ValueError(
                 "--scheduling-policy: coserve's TDGScheduler orders requests itself; use the default 'fcfs' "
