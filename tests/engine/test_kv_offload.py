@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +32,7 @@ import httpx
 import pytest
 
 from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.engine.safepoint import SafepointBoard, board_name
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +121,7 @@ def handoff_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def kv_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, handoff_dir: Path) -> Iterator[str]:
+def kv_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, handoff_dir: Path) -> Iterator[EngineServer]:
     """A decoder-like engine: host pool of 12 blocks, reads (never writes) the handoff directory."""
     settings = EngineSettings(
         model=tiny_model,
@@ -139,9 +142,14 @@ def kv_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, handof
     except RuntimeError as error:
         pytest.fail(f"the KV offload engine did not start: {error}")
     try:
-        yield server.base
+        yield server
     finally:
         server.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def kv_engine(kv_server: EngineServer) -> str:
+    return kv_server.base
 
 
 def test_a_request_evicted_while_running_reloads_its_kv_and_answers_the_same(kv_engine: str) -> None:
@@ -187,6 +195,51 @@ def test_a_conversation_whose_kv_left_the_engine_reloads_it_for_the_next_turn(kv
     assert loaded_tokens(before, after) >= 5 * BLOCK  # turn 1's 700 tokens: 5 full blocks
     reset(kv_engine, host_pool=True)
     assert complete(kv_engine, turn2, max_tokens=16) == reloaded  # recomputed from scratch: the same answer
+
+
+def abort_the_first_step_posted(board: SafepointBoard, stop: threading.Event) -> None:
+    """From the API server's side: abandon the first step the scheduler posts, as soon as it is posted, so it
+    is stopped at one of its first safepoints, while its reload is under way."""
+    while not stop.is_set():
+        step = board.posted_step()
+        if step is not None:
+            board.request_abort(step.step_id)
+            return
+        time.sleep(0.0001)
+
+
+def test_a_step_abandoned_mid_reload_completes_the_reload_and_the_answer_is_unchanged(kv_server: EngineServer) -> None:
+    """A returning conversation's first step reloads its prefix from the host pool and computes the rest; an
+    urgent arrival abandons that step at one of its first layers. The rollback keeps the reloaded tokens
+    counted as computed, so every layer of them must be there when the request resumes: on a CPU reloads
+    go a layer ahead of the forward, and the abandoned step completes them (wrong KV would change the
+    greedy answer of this model)."""
+    base = kv_server.base
+    turn1 = prompt(21, 700)
+    turn2 = [*turn1, *prompt(22, 8), *prompt(23, 200)]
+    reset(base, host_pool=True)
+    scratch = complete(base, turn2, max_tokens=16)  # computed from nothing
+    reset(base, host_pool=True)
+    complete(base, turn1, max_tokens=8)
+    reset(base)  # turn 1's KV is in the host pool only
+    complete(base, prompt(24, 900), max_tokens=4)  # other KV in the engine's blocks meanwhile
+    board = SafepointBoard.attach(board_name(kv_server.engine_id))
+    assert board is not None
+    abandoned = board.num_preemptions
+    before = metrics(base)
+    stop = threading.Event()
+    aborter = threading.Thread(target=abort_the_first_step_posted, args=(board, stop), daemon=True)
+    aborter.start()
+    try:
+        answer_text = complete(base, turn2, max_tokens=16)
+    finally:
+        stop.set()
+        aborter.join()
+    after = metrics(base)
+    assert board.num_preemptions > abandoned, "the reloading step was not abandoned"
+    board.close()
+    assert blocks(before, after, "loaded") >= 5  # turn 1's 5 full blocks came from the host pool
+    assert answer_text == scratch
 
 
 def test_a_full_pool_keeps_the_important_classes_and_loses_no_request(kv_engine: str) -> None:

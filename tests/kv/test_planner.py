@@ -115,6 +115,17 @@ def test_an_abandoned_step_never_commits_its_copies() -> None:
     assert p.pool.stats.aborted == 2
 
 
+def test_an_abandoned_steps_blocks_are_copied_out_again_once_recomputed() -> None:
+    """Its copy-outs were dropped (partly computed blocks); the rollback puts the request back, and the step
+    that recomputes the blocks copies them out."""
+    p = planner(8)
+    r = request("a", list(range(8)), "standard")
+    p.allocated(r, [1, 2], 0)
+    assert [c.device_block for c in p.plan_step(new_step((r, [1, 2], 0, 8))).saves] == [1, 2]
+    p.roll_back({"a": 0})  # the step was abandoned: TDGScheduler rolled it back to 0 computed tokens
+    assert [c.device_block for c in p.plan_step(cached_step((r, 0, 8))).saves] == [1, 2]
+
+
 def test_the_measured_copy_bandwidth_replaces_the_setting() -> None:
     p = planner(8, bandwidth=2e9)
     p.observe_copies(1e6, 0.01)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,8 @@ __all__ = ["CoServeConnector", "CoServeConnectorMetadata", "StepPreempted"]
 
 logger = logging.getLogger("coserve.engine.connector")
 
+BOARD_RETRY_S = 5.0  # how often a worker without the board looks for it again
+
 
 @dataclass
 class CoServeConnectorMetadata(KVConnectorMetadata):
@@ -107,11 +110,13 @@ class CoServeConnector(KVConnectorBase_V1):
         self.board_name = board_name(str(self._kv_transfer_config.engine_id))
         self._next_step_id = 0
         self._board: SafepointBoard | None = None
+        self._next_attach_s = 0.0  # worker side: when to look for the board again if it is not attached
         self.scheduler_board: SafepointBoard | None = None  # set by the TDGScheduler that creates it
         # Worker side. On a GPU the host runs ahead of the device; bound it (on a CPU, where the host is the
         # device, there is nothing to bound).
         bound = RunAheadBound(runahead, CudaEvents) if role == KVConnectorRole.WORKER and _on_cuda() else None
         self._safepoints = LayerSafepoints(bound)
+        self._abandoned = False  # the bound step was abandoned at a safepoint (worker side)
         self.kv_settings: KVSettings = parse_kv_settings(extra)
         role_name = str(self._kv_transfer_config.kv_role)
         self._produce = role_name in ("kv_producer", "kv_both")
@@ -259,9 +264,12 @@ class CoServeConnector(KVConnectorBase_V1):
         """Called by the model runner before each forward: remember which step is running, start its loads."""
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, CoServeConnectorMetadata):
-            if self._board is None and connector_metadata.safepoints:
+            if self._board is None and connector_metadata.safepoints and time.monotonic() >= self._next_attach_s:
                 self._board = SafepointBoard.attach(connector_metadata.board)
+                # NOTE: a rank on another node than the engine's never finds it: look again only now and then
+                self._next_attach_s = time.monotonic() + BOARD_RETRY_S
             self._safepoints.begin(connector_metadata.step_id, self._board, connector_metadata.safepoints)
+            self._abandoned = False
             if self.kv_worker is not None:
                 self.kv_worker.begin(connector_metadata.kv)
 
@@ -270,7 +278,7 @@ class CoServeConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """The safepoint, called by vLLM before every attention layer of every step; then the layer's reload."""
-        self._safepoints.check(layer_name)
+        self._safepoint(layer_name)
         if self.kv_worker is not None:
             self.kv_worker.wait_layer(layer_name)
 
@@ -279,12 +287,27 @@ class CoServeConnector(KVConnectorBase_V1):
         (attention or MLP) instead of a whole one."""
         if self.kv_worker is not None:
             self.kv_worker.save_layer(layer_name)
-        self._safepoints.check(layer_name)
+        self._safepoint(layer_name)
+
+    def _safepoint(self, layer_name: str) -> None:
+        """The check; a step it abandons is marked, so that ``wait_for_save`` saves none of it."""
+        try:
+            self._safepoints.check(layer_name)
+        except StepPreempted:
+            self._abandoned = True
+            raise
 
     def wait_for_save(self) -> None:
         """End of the forward: start the step's copy-outs (on a CPU the next forward waits for them; on CUDA
-        they overlap it unless the planner fenced it: see ``coserve.engine.offload``)."""
-        if self.kv_worker is not None:
+        they overlap it unless the planner fenced it: see ``coserve.engine.offload``).
+
+        vLLM calls it in a ``finally``, so a step abandoned at a safepoint gets here too, with its blocks
+        partly computed: it copies nothing out and writes no handoff file, and its reloads complete."""
+        if self.kv_worker is None:
+            return
+        if self._abandoned:
+            self.kv_worker.abandon()
+        else:
             self.kv_worker.end()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

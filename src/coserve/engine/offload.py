@@ -33,6 +33,12 @@ sets it when a request whose blocks were being copied out finished or was
 preempted, the only way such a block is freed and reused). The background
 thread then only writes the handoff files, after the copies have landed.
 
+A step abandoned at a safepoint still reaches ``wait_for_save``: vLLM calls it in a ``finally``
+(``kv_connector_model_runner_mixin``). The connector then calls ``abandon`` instead of ``end``: the
+step's blocks are partly computed, so nothing is copied out and no handoff file is written, and the
+planner plans those blocks again once they are recomputed (``OffloadPlanner.roll_back``). Its
+reloads are completed instead, every layer: the tokens they carry stay counted as computed.
+
 Handoff (``handoff_backend: shm``): the prefiller's worker also writes each
 block it copies out to ``handoff_path/<hash>.<rank>.kv`` (write, then an atomic
 rename), bounded by ``handoff_max_bytes`` (its oldest files go first). A
@@ -283,6 +289,14 @@ class OffloadPlanner:
             return bool(finished) or not self._saving <= scheduled
         return bool(self._saving & (finished | set(preempted)))
 
+    def roll_back(self, computed_tokens: dict[str, int]) -> None:
+        """An abandoned step's requests are back at these computed-token counts (``TDGScheduler._roll_back``):
+        their blocks past that point were never written, so they are copied out again once recomputed."""
+        for request_id, computed in computed_tokens.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:
+                tracked.saved = min(tracked.saved, computed // self.block_size)
+
     def step_done(self) -> None:
         """The workers finished the last planned step (``update_connector_output``): its copies are usable."""
         self.pool.commit(self._step)
@@ -410,6 +424,7 @@ class OffloadWorker:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coserve-kv")
         self._futures: list[Future[None]] = []
         self._layer_loads: dict[int, Future[None]] = {}
+        self._layers_started: set[int] = set()  # layers whose reload of this step has started (CPU)
         self._plan = StepPlan()
         self._staged: np.ndarray | None = None  # handoff blocks read for this step's loads, (n, layers, bytes)
         self._written: OrderedDict[Path, int] = OrderedDict()
@@ -482,6 +497,7 @@ class OffloadWorker:
         self._drain()
         self._plan = plan
         self._layer_loads = {}
+        self._layers_started = set()
         self._staged = None
         if plan.loads and self._caches:
             handoffs = [copy for copy in plan.loads if copy.handoff is not None]
@@ -490,7 +506,7 @@ class OffloadWorker:
                 # a file the prefiller dropped meanwhile: vLLM recomputes those blocks (get_block_ids_with_load_errors)
                 self.load_errors |= {c.device_block for c in handoffs if c not in readable}
                 self._plan = StepPlan([c for c in plan.loads if c.handoff is None] + readable, plan.saves)
-            self._layer_loads[0] = self._thread.submit(self._load_layer, 0)
+            self._start_load(0)
 
     def wait_layer(self, layer_name: str) -> None:
         """Before layer L's attention: wait for its KV, and start copying layer L+1's."""
@@ -504,12 +520,17 @@ class OffloadWorker:
         layer = self._index.get(layer_name)
         if layer is None:
             return
+        if layer not in self._layers_started:
+            self._start_load(layer)
         future = self._layer_loads.pop(layer, None)
-        if future is None:
-            future = self._thread.submit(self._load_layer, layer)
-        if layer + 1 < len(self._caches):
-            self._layer_loads[layer + 1] = self._thread.submit(self._load_layer, layer + 1)
-        future.result()
+        if layer + 1 < len(self._caches) and layer + 1 not in self._layers_started:
+            self._start_load(layer + 1)
+        if future is not None:
+            future.result()
+
+    def _start_load(self, layer: int) -> None:
+        self._layers_started.add(layer)
+        self._layer_loads[layer] = self._thread.submit(self._load_layer, layer)
 
     def save_layer(self, layer_name: str) -> None:
         """After layer L's attention: nothing to do yet (see ``end``)."""
@@ -523,7 +544,7 @@ class OffloadWorker:
         copy thread preempts the OpenMP threads of the forward, which then wait for each other at
         every barrier. Between two forwards those threads idle, so the copies run there. They are
         safe: vLLM writes KV blocks only inside a forward, and the next step's ``begin`` waits for
-        them before its forward starts. An abandoned step never gets here: it copies nothing.
+        them before its forward starts. An abandoned step goes to ``abandon`` instead: it copies nothing out.
         """
         plan = self._plan
         self._plan = StepPlan()
@@ -539,6 +560,26 @@ class OffloadWorker:
             self._save_step(plan.saves)
         elif plan.saves:
             self._futures.append(self._thread.submit(self._save_step, plan.saves))
+
+    def abandon(self) -> None:
+        """End of a step abandoned at a safepoint (the connector's ``wait_for_save``, which vLLM calls in a
+        ``finally``): no copy-out and no handoff file, since the step's blocks are partly computed; every
+        layer's reload completes, since the scheduler keeps the reloaded tokens counted as computed.
+
+        On a CPU, reloads go one layer at a time, a layer ahead of the forward: an abort before layer L
+        leaves layers past L + 1 unloaded, so they are loaded here, before the next step can run on them.
+        On CUDA ``begin`` queued every layer's reload, and the next step's forward waits for the whole copy
+        stream after an abandoned step (``DeviceKVCopier.begin``).
+        """
+        plan = self._plan  # the layers' loads read it: replaced once they are done
+        if self._copier is None and plan.loads and self._caches:
+            for layer in range(len(self._caches)):
+                if layer not in self._layers_started:
+                    self._start_load(layer)
+            self._drain()
+            self._loaded(plan)
+        self._plan = StepPlan()
+        self._staged = None
 
     # -- CUDA: DeviceKVCopier ----------------------------------------------------------------------------
 
