@@ -124,27 +124,31 @@ class LayerSafepoints:
         self.steps = 0
 
     def begin(self, step_id: int, board: SafepointBoard | None, checking: bool) -> None:
-        """Called before each forward with the step's number, the engine's board and whether to check."""
+        """Called before each forward with the step's number, the engine's board (None on a rank that cannot
+        attach it: another node than the engine's) and whether to check (the same on every rank)."""
         self.step_id = step_id
         self.board = board
-        self.checking = checking and board is not None
+        self.checking = checking
         self.index = 0
-        if self.checking:
-            self.steps += 1
 
     def check(self, layer_name: str) -> None:
         """The safepoint: ``StepPreempted`` when this step must be abandoned here, on every rank alike."""
-        board = self.board
-        if board is None or not self.checking:
+        if not self.checking:
+            return
+        # NOTE: every rank checks, board or not: resolving the agreement is a collective, and so is the
+        # broadcast mode's every check (a rank on another node has no board and contributes "no").
+        if self._agreement is None:
+            self._agreement = self._agreement_now()
+        if self.board is None and self._agreement.mode != "broadcast":
             return
         index = self.index
         self.index += 1
+        if index == 0:
+            self.steps += 1
         if self.bound is not None:
             self.bound.reach(index)
-        if self._agreement is None:
-            self._agreement = self._agreement_now()
         started = time.perf_counter()
-        leave = self._agreement.should_leave(board, self.step_id, index)
+        leave = self._agreement.should_leave(self.board, self.step_id, index)
         self.check_s += time.perf_counter() - started
         if leave:
             raise StepPreempted(self.step_id, layer_name)

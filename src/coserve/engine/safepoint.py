@@ -12,7 +12,8 @@ is blocked while a step runs):
   connector's per-layer hook) and abandons the step; rank 0 writes
   ``abandoned_step`` and the exit time, which the scheduler reads to roll the
   step back (with tensor parallelism, the first rank also writes the
-  safepoint where every rank leaves: ``coserve.engine.tp_sync``);
+  safepoint where every rank leaves, in that step's slot of a small ring of
+  per-step exits: ``coserve.engine.tp_sync``);
 - anyone attached may pause the safepoints (``pause``): the scheduler then
   tells the workers to skip every check from the next step on, exactly as an
   engine started with ``safepoints: false`` does, until resumed. Benchmarks use
@@ -31,7 +32,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
-__all__ = ["BOARD_SIZE", "PostedStep", "SafepointBoard", "board_name", "safepoint_counters"]
+__all__ = ["BOARD_SIZE", "EXIT_SLOTS", "PostedStep", "SafepointBoard", "board_name", "safepoint_counters"]
 
 # Offsets of the 8-byte words.
 _ABORT_STEP = 0
@@ -46,9 +47,12 @@ _ABORT_RAISED_S = 64
 _NUM_PREEMPTIONS = 72
 _NUM_ABORT_REQUESTS = 80
 _PAUSED = 88
-_AGREED_EXIT = 96
-BOARD_SIZE = 128
-_SAFEPOINTS_PER_STEP = 4096  # the agreed exit packs (step id, safepoint index) into one word
+_AGREED_EXITS = 96  # EXIT_SLOTS words: slot step_id % EXIT_SLOTS holds (step id, safepoint index), packed
+# NOTE: 4 slots: step ids are consecutive, and a follower is at most 2 steps behind the leader (1 where every
+# step checks its safepoints; each step's all-reduces bound the lag: coserve.engine.tp_sync), so 1 to spare.
+EXIT_SLOTS = 4
+BOARD_SIZE = _AGREED_EXITS + 8 * EXIT_SLOTS  # 128 bytes, a whole number of words
+_SAFEPOINTS_PER_STEP = 4096  # an agreed exit packs (step id, safepoint index) into one word
 
 _NO_STEP = -1
 
@@ -73,6 +77,8 @@ class PostedStep:
 class SafepointBoard:
     """One engine's board; ``create`` in the scheduler, ``attach`` everywhere else."""
 
+    exit_slots = EXIT_SLOTS  # the ring's length (a test sets 1: every step's exit in one word, as before)
+
     def __init__(self, memory: shared_memory.SharedMemory, owner: bool) -> None:
         self._memory = memory
         buffer = memory.buf
@@ -90,7 +96,8 @@ class SafepointBoard:
             memory = shared_memory.SharedMemory(name=name, create=False)
         board = cls(memory, owner=True)
         board._buffer[:BOARD_SIZE] = bytes(BOARD_SIZE)
-        for offset in (_ABORT_STEP, _ABANDONED_STEP, _RUNNING_STEP, _AGREED_EXIT):
+        exits = [_AGREED_EXITS + 8 * slot for slot in range(EXIT_SLOTS)]
+        for offset in (_ABORT_STEP, _ABANDONED_STEP, _RUNNING_STEP, *exits):
             board._put_int(offset, _NO_STEP)
         return board
 
@@ -176,22 +183,20 @@ class SafepointBoard:
         return self._get_int(_ABORT_STEP) == step_id
 
     def agree_exit(self, step_id: int, index: int) -> None:
-        """The TP leader's word: every rank leaves ``step_id`` at safepoint ``index`` (one 8-byte write)."""
+        """The TP leader's word: every rank leaves ``step_id`` at safepoint ``index`` (one 8-byte write, in
+        ``step_id``'s slot of the ring, so a follower still in an earlier step keeps that step's exit)."""
         if not 0 <= index < _SAFEPOINTS_PER_STEP:
             raise ValueError(f"safepoint index {index} is outside 0..{_SAFEPOINTS_PER_STEP - 1}")
-        self._put_int(_AGREED_EXIT, step_id * _SAFEPOINTS_PER_STEP + index)
+        self._put_int(self._exit_offset(step_id), step_id * _SAFEPOINTS_PER_STEP + index)
 
-    def agreed_exit(self) -> tuple[int, int]:
-        """``(step id, safepoint index)`` of the last agreed exit (step id -1: none yet)."""
-        word = self._get_int(_AGREED_EXIT)
+    def agreed_exit(self, step_id: int) -> tuple[int, int]:
+        """``(step id, safepoint index)`` in ``step_id``'s slot: that step's agreed exit, or an older step's
+        that shares the slot (step id -1: none yet). Read at every safepoint by every TP rank."""
+        word = self._get_int(self._exit_offset(step_id))
         if word < 0:
             return _NO_STEP, -1
-        step_id, index = divmod(word, _SAFEPOINTS_PER_STEP)
-        return step_id, index
-
-    def agreed_step(self) -> int:
-        """The step of the last agreed exit (-1: none yet)."""
-        return self.agreed_exit()[0]
+        slot_step_id, index = divmod(word, _SAFEPOINTS_PER_STEP)
+        return slot_step_id, index
 
     def mark_abandoned(self, step_id: int) -> None:
         self._put_float(_EXIT_S, time.time())
@@ -221,6 +226,9 @@ class SafepointBoard:
     def num_abort_requests(self) -> int:
         """Aborts raised (some reach a step that has already finished, and abandon nothing)."""
         return self._get_int(_NUM_ABORT_REQUESTS)
+
+    def _exit_offset(self, step_id: int) -> int:
+        return _AGREED_EXITS + 8 * (step_id % self.exit_slots)
 
     def _get_int(self, offset: int) -> int:
         return int(struct.unpack_from("<q", self._buffer, offset)[0])

@@ -2,9 +2,9 @@
 
 Each rank reads the shared board at its own moment; if rank 0 saw the abort
 at layer 5 and rank 1 only at layer 6, rank 0 would leave while rank 1 waits
-in the next all-reduce forever. Who calls it: the connector's safepoint, on
-every rank, with the safepoint's index in the step (two per layer: before
-attention, even; after attention, odd).
+in the next all-reduce forever. Who calls it: the connector's safepoint
+(``LayerSafepoints.check``), on every rank, with the safepoint's index in
+the step (two per layer: before attention, even; after attention, odd).
 
 Two ways to agree, chosen once per worker (``SafepointAgreement.resolve``):
 
@@ -26,12 +26,28 @@ Two ways to agree, chosen once per worker (``SafepointAgreement.resolve``):
     only at the agreed target, so every rank queues the same collectives and
     none waits in one that another will never join. The cost is one 8-byte
     read per safepoint; a preemption lands up to 1 + K/2 layers later than
-    with one rank. ``tests/engine/test_tp_sync.py`` checks this against a model
-    of ranks whose devices lag their hosts at random.
+    with one rank.
+
+    The target is recorded per step, in the step's slot of a ring of four
+    on the board (``SafepointBoard.agree_exit``), not in one word for all
+    steps: vLLM dispatches step s + 1 as soon as rank 0 answers, so the
+    leader may be in step s + 1, and agree its exit, while a follower's host
+    (up to K + 1 safepoints behind) has not yet reached step s's target; one
+    word would lose step s's exit and leave that follower running the rest
+    of the step alone. The collectives bound the lag: the leader's host
+    leaves step s + 1 (at its end, or at a target K + 2 or more) only after
+    its device has finished that step's first all-reduce (the bound's wait),
+    which no device finishes before every follower's device, and so its
+    host, has left step s. A follower is thus at most one step behind; two
+    under async scheduling (two steps in flight) when the step between
+    checks no safepoint. ``tests/engine/test_tp_sync.py`` checks this against
+    a model of ranks running consecutive steps whose devices lag their hosts
+    at random.
 ``broadcast`` (ranks on several nodes, where shared memory cannot reach)
     The leader's view is broadcast over the TP group's CPU (gloo) group at
     every safepoint, as ConServe does with ncclBroadcast: one collective per
-    safepoint.
+    safepoint. Ranks on another node than the engine's cannot attach the
+    board; they join every broadcast all the same, and contribute "no".
 
 With one rank (``single``) the flag is read directly.
 """
@@ -92,17 +108,25 @@ class SafepointAgreement:
         if group.world_size == 1:
             return cls("single")
         leader = group.rank_in_group == 0
-        if all(in_the_same_node_as(group.cpu_group, source_rank=group.ranks[0])):
+        # NOTE: vLLM's source_rank is the rank in the group (vLLM passes 0); broadcast's src is a global rank.
+        if all(in_the_same_node_as(group.cpu_group, source_rank=0)):
             return cls("shared", leader=leader, runahead=runahead)
         logger.info("coserve: TP ranks span nodes; safepoints agree by a broadcast per safepoint")
         return cls("broadcast", leader=leader, group=group.cpu_group, src=group.ranks[0])
 
-    def should_leave(self, board: SafepointBoard, step_id: int, index: int) -> bool:
-        """Whether this rank leaves ``step_id`` at safepoint ``index`` (the same answer on every rank)."""
+    def should_leave(self, board: SafepointBoard | None, step_id: int, index: int) -> bool:
+        """Whether this rank leaves ``step_id`` at safepoint ``index`` (the same answer on every rank).
+
+        Called by ``LayerSafepoints.check`` at every checked safepoint, on every rank; ``board`` is None on a
+        rank that cannot attach it (another node), which still joins the broadcast but otherwise never leaves.
+        """
+        if self.mode == "broadcast":
+            seen = self.leader and board is not None and board.abort_requested(step_id)
+            return broadcast_flag(seen, self.group, self.src)
+        if board is None:
+            return False
         if self.mode == "single":
             return board.abort_requested(step_id)
-        if self.mode == "broadcast":
-            return broadcast_flag(self.leader and board.abort_requested(step_id), self.group, self.src)
-        if self.leader and board.agreed_step() != step_id and board.abort_requested(step_id):
+        if self.leader and board.agreed_exit(step_id)[0] != step_id and board.abort_requested(step_id):
             board.agree_exit(step_id, abort_target(index, self.runahead))
-        return board.agreed_exit() == (step_id, index)
+        return board.agreed_exit(step_id) == (step_id, index)
