@@ -32,7 +32,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from coserve.engine.scheduler import TDGScheduler
@@ -164,3 +164,50 @@ def test_the_scheduler_refuses_to_start_with_several_steps_in_flight(
 ) -> None:
     with pytest.raises(ValueError, match=flag):
         make_scheduler(tiny_model, tweak)
+
+
+# --- steps too short to need a safepoint --------------------------------------------------------------------
+
+
+def test_a_step_predicted_within_the_threshold_runs_without_safepoints(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a cost model of 10 ms per step plus 1 ms per token and ``safepoint_min_step_s`` 0.05: a
+    16-token step (26 ms) is sent to the workers without safepoints, a 256-token one (266 ms) with them."""
+    from vllm.config import KVTransferConfig
+
+    from coserve.engine.connector import find_metadata
+    from coserve.scheduling.config import CONFIG_ENV
+
+    config = tmp_path / "engine.json"
+    config.write_text('{"costModel": {"k1": 0.001, "k2": 0, "k3": 0, "k4": 0, "k5": 0.01}}')
+    monkeypatch.setenv(CONFIG_ENV, str(config))
+
+    def with_connector(vllm_config: VllmConfig) -> None:
+        vllm_config.kv_transfer_config = KVTransferConfig(
+            kv_connector="CoServeConnector",
+            kv_connector_module_path="coserve.engine.connector",
+            kv_role="kv_both",
+            engine_id=f"minstep{tmp_path.name[-10:]}",
+            kv_connector_extra_config={"safepoint_min_step_s": 0.05},
+        )
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True  # as VllmConfig sets it for a connector
+
+    scheduler = make_scheduler(tiny_model, with_connector)
+    try:
+        checked = {}
+        for name, tokens in (("short", 16), ("long", 256)):
+            scheduler.add_request(
+                make_request(name, tokens, "standard", max_tokens=2, first_token=1 + 300 * len(checked))
+            )
+            output = scheduler.schedule()
+            metadata = find_metadata(output.kv_connector_metadata)
+            assert metadata is not None
+            checked[name] = metadata.safepoints
+            assert scheduler.board is not None and scheduler.board.posted_step() is not None  # posted all the same
+            for request_id in list(output.num_scheduled_tokens):
+                scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        assert checked == {"short": False, "long": True}
+        assert scheduler.num_steps_unchecked == 1
+    finally:
+        scheduler.shutdown()

@@ -107,6 +107,14 @@ class CoServeConnector(KVConnectorBase_V1):
                 f"kv_connector_extra_config.safepoint_runahead: must be a whole number of safepoints >= 0, "
                 f"got {runahead!r}"
             )
+        min_step_s = extra.get("safepoint_min_step_s", 0.0)
+        if isinstance(min_step_s, bool) or not isinstance(min_step_s, (int, float)) or not min_step_s >= 0:
+            raise ValueError(
+                f"kv_connector_extra_config.safepoint_min_step_s: must be a number of seconds >= 0, got {min_step_s!r}"
+            )
+        # A step the cost model predicts to end within this needs no safepoint: an urgent arrival waits at most
+        # that long for it anyway, and on a GPU each safepoint's run-ahead wait costs the step (TDGScheduler).
+        self.safepoint_min_step_s = float(min_step_s)
         self.board_name = board_name(str(self._kv_transfer_config.engine_id))
         self._next_step_id = 0
         self._board: SafepointBoard | None = None

@@ -13,7 +13,10 @@ Start vLLM with ``--scheduler-cls coserve.engine.scheduler.TDGScheduler``
    always does;
 4. puts the set-aside requests back (running ones keep their KV and slots);
 5. posts the step on the safepoint board (``coserve.engine.safepoint``), so an
-   urgent arrival can preempt it at the next layer boundary.
+   urgent arrival can preempt it at the next layer boundary; a step the cost
+   model predicts to end within ``safepoint_min_step_s`` (coserve's connector
+   setting, default 0) runs without safepoints, since an urgent arrival would
+   wait no longer than that for it anyway.
 
 When the workers abandon a step, ``update_from_output`` rolls it back: every
 scheduled request's computed-token count returns to where it was, the
@@ -87,6 +90,8 @@ class TDGScheduler(Scheduler):
         self._stalled = False  # the last policy-driven step scheduled nothing
         self.board: SafepointBoard | None = None
         coserve_connector = find_connector(self.connector)  # alone, or inside MultiConnector on GPUs
+        self._safepoint_min_step_s = coserve_connector.safepoint_min_step_s if coserve_connector is not None else 0.0
+        self.num_steps_unchecked = 0  # steps predicted too short to need a safepoint
         if coserve_connector is not None:
             # Posted even with safepoints off, so the step stays observable (benchmarks' baseline).
             self.board = SafepointBoard.create(coserve_connector.board_name)
@@ -277,6 +282,10 @@ class TDGScheduler(Scheduler):
         ranks = [self._class_of(req_id).rank for req_id in scheduled]
         pieces = self._pieces(output)
         predicted_s = self.coserve.cost_model.step_latency_s(pieces)
+        if metadata.safepoints and predicted_s <= self._safepoint_min_step_s:
+            # NOTE: the same on every rank (it travels in the metadata), as the TP agreement needs
+            metadata.safepoints = False
+            self.num_steps_unchecked += 1
         self.board.post_step(PostedStep(metadata.step_id, now_s, predicted_s, min(ranks), self._num_layers))
 
     def _class_of(self, request_id: str) -> RequestClass:

@@ -39,7 +39,7 @@ _KNOWN = {
     "handoff_wait_s",
 }
 # Keys the connector shares with others in the same extra config (not KV offload settings).
-_OTHERS = {"safepoints", "safepoint_runahead", "coserve_config"}
+_OTHERS = {"safepoints", "safepoint_runahead", "safepoint_min_step_s", "coserve_config"}
 _PREFIX = "kv_connector_extra_config"
 
 
