@@ -462,6 +462,25 @@ CASES: list[Case] = [
         lines=3,
         crd=ACCEPT,
     ),
+    # --- extraArgs that set a flag the operator renders (vLLM would keep the user's, the last) ---
+    mutated(
+        "extra-args-set-the-kv-transfer-config",
+        put("spec.engine.extraArgs", ["--max-model-len", "8192", "--kv-transfer-config", "{}"]),
+        expect=("spec.engine.extraArgs[2]", "~'--kv-transfer-config' is set by coserve (set spec.kvOffload"),
+        crd=ACCEPT,
+    ),
+    mutated(
+        "decoder-extra-args-set-the-scheduler",
+        put("spec.engine.decoder", {"extraArgs": ["--scheduler_cls=vllm.v1.core.sched.scheduler.Scheduler"]}),
+        expect=("spec.engine.decoder.extraArgs[0]", "~'--scheduler-cls' is set by coserve ("),
+        crd=ACCEPT,
+    ),
+    mutated(
+        "extra-args-turn-async-scheduling-on",
+        put("spec.engine.prefiller", {"extraArgs": ["--enforce-eager", "--async-scheduling"]}),
+        expect=("spec.engine.prefiller.extraArgs[1]",),
+        crd=ACCEPT,
+    ),
     # --- several problems at once: every one reported, one line each ---
     mutated(
         "four-schema-problems",
@@ -651,6 +670,17 @@ def test_missing_profile_file_names_the_profile(tmp_path: Path, capsys: pytest.C
     missing = str(tmp_path / "nope.yaml")
     code, out, err, _ = run_plan(capsys, str(EXAMPLES / "pool.yaml"), "--profile", missing)
     assert (code, out, err) == (2, "", f"{missing}: cannot be read: No such file or directory\n")
+
+
+def test_render_refuses_extra_args_that_set_a_rendered_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``coserve render`` prints no object, and the line ``coserve plan`` prints, for what the operator would refuse."""
+    manifest = tmp_path / "pool.yaml"
+    manifest.write_bytes(next(c for c in CASES if c.id == "extra-args-set-the-kv-transfer-config").data)
+    code = main(["render", str(manifest)])
+    captured = capsys.readouterr()
+    assert (code, captured.out) == (2, "")
+    assert captured.err.startswith(f"{manifest}: spec.engine.extraArgs[2]: '--kv-transfer-config' is set by coserve (")
+    assert captured.err.count("\n") == 1
 
 
 SUBPROCESS_CASES = ["input-tokens-string", "tab-indent", "random-bytes-with-nuls", "four-semantic-problems"]

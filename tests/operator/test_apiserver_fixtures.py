@@ -401,7 +401,25 @@ SECURITY_DRIFT = {
     },
     "assistant-router": ["spec.template.spec.containers[0].securityContext.seccompProfile"],
 }
-UPGRADE_PATHS = {name: [CONFIG_HASH, *paths] for name, paths in SECURITY_DRIFT.items()}
+# This version's engines run without async scheduling (--no-async-scheduling in args) and, in a GPU pool such as this
+# one, listen for NIXL's handshake on their own pod's address (VLLM_NIXL_SIDE_CHANNEL_HOST and _PORT in env, the
+# containerPort nixl-side): the upgrade patches those three lists of both engines' container, whole.
+ENGINE_DRIFT = [f"spec.template.spec.containers[0].{field}" for field in ("args", "env", "ports")]
+ASYNC_FLAG = "--no-async-scheduling"
+NIXL_ENV = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")
+NIXL_PORT = "nixl-side"
+
+
+def _upgrade_paths(name: str) -> list[str]:
+    """Every path of the upgrade patch of the Deployment ``name``, in the order ``drift`` reports them."""
+    paths = [CONFIG_HASH, *SECURITY_DRIFT[name]]
+    if name == "assistant-router":
+        return paths
+    at = paths.index("spec.template.spec.containers[0].securityContext.runAsNonRoot")
+    return [*paths[:at], *ENGINE_DRIFT, *paths[at:]]
+
+
+UPGRADE_PATHS = {name: _upgrade_paths(name) for name in SECURITY_DRIFT}
 UPGRADE_DRIFT = [
     HANDOFF_DRIFT[0],
     *(("patch", "Deployment", name, "drifted: " + ", ".join(UPGRADE_PATHS[name][:5])) for name in UPGRADE_PATHS),
@@ -453,7 +471,7 @@ def decide_assistant(observed: Observed) -> Reconciliation:
 
 def test_the_upgrade_changes_the_recorded_deployments_only_where_this_version_renders_them_differently() -> None:
     """Every path each upgrade patch of a Deployment is for (a reason names five): the config hash, the security
-    contexts of the restricted profile, nothing else."""
+    contexts of the restricted profile, the engines' args, env and ports (ENGINE_DRIFT), nothing else."""
     observed = recorded_children()
     patches = [a for a in decide_assistant(observed).actions if a.kind == "Deployment"]
     assert {a.name: drift(a.body, observed[(a.kind, a.name)]) for a in patches} == UPGRADE_PATHS
@@ -490,6 +508,18 @@ def test_no_child_of_any_kind_as_the_server_stored_it_is_drift(kind: str, source
     assert result.plan_valid
     assert [action for action in actions(result) if action[1] == kind] == []
     assert result.events == ()
+
+
+def test_the_side_channel_address_as_the_server_stores_it_is_not_drift() -> None:
+    """The server fills in a fieldRef's apiVersion (the recorded router's POD_NAMESPACE has it), which
+    ``as_stored`` does not model: the engines' VLLM_NIXL_SIDE_CHANNEL_HOST stored that way is no change."""
+    observed = every_kind()
+    for role in ("prefiller", "decoder"):
+        container = observed[("Deployment", f"assistant-{role}")]["spec"]["template"]["spec"]["containers"][0]
+        (host,) = [entry for entry in container["env"] if entry["name"] == NIXL_ENV[0]]
+        assert host["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        host["valueFrom"]["fieldRef"]["apiVersion"] = "v1"
+    assert actions(decide_assistant(observed)) == []
 
 
 def _stored_differently(sent: Any, stored: Any, path: str = "") -> list[str]:
@@ -535,6 +565,13 @@ def test_as_stored_is_what_the_server_stored(kind: str) -> None:
             as_recorded = copy.deepcopy(body)
             as_recorded["data"]["router.json"] = recorded_router
             differences = _stored_differently(as_stored(as_recorded), stored[(kind, body["metadata"]["name"])])
+        if kind == "Deployment" and body["metadata"]["name"] != "assistant-router":
+            # The engines' --no-async-scheduling, NIXL side channel variables and port are new in this version
+            # (ENGINE_DRIFT): those lists differ whole; without the new entries, the rest must match the recording.
+            new_lists = [f".{path}" for path in ENGINE_DRIFT]
+            assert [path.split(" (")[0] for path in differences if path.split(" (")[0] in new_lists] == new_lists
+            body = _without_new_engine_entries(body)
+            differences = _stored_differently(as_stored(body), stored[(kind, body["metadata"]["name"])])
         if kind == "Deployment":
             # ... and the config hash of the pods that read it (every Deployment's) follows it; the security
             # contexts of the restricted profile (SECURITY_DRIFT) are new in this version, not in the recording
@@ -544,6 +581,20 @@ def test_as_stored_is_what_the_server_stored(kind: str) -> None:
         assert differences == []
         listed = as_stored(body, listed=True)
         assert "apiVersion" not in listed and "kind" not in listed
+
+
+def _without_new_engine_entries(body: dict[str, Any]) -> dict[str, Any]:
+    """An engine Deployment as this version renders it, less what is new since the recording (ENGINE_DRIFT): each
+    new entry removed is checked to be there exactly once."""
+    out = copy.deepcopy(body)
+    container = out["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"].count(ASYNC_FLAG) == 1
+    container["args"].remove(ASYNC_FLAG)
+    assert [entry["name"] for entry in container["env"] if entry["name"] in NIXL_ENV] == list(NIXL_ENV)
+    container["env"] = [entry for entry in container["env"] if entry["name"] not in NIXL_ENV]
+    assert [port["name"] for port in container["ports"]] == ["http", NIXL_PORT]
+    container["ports"] = container["ports"][:1]
+    return out
 
 
 def _kind_edits() -> list[Any]:

@@ -314,3 +314,44 @@ def test_the_policy_covers_the_pools_engines_and_nothing_else() -> None:
     both = policies(OWN) + policies(OTHER)
     assert admitted(both, pod_of(OTHER, "decoder"), pod_of(OTHER, "router"), ENGINE_PORT)
     assert not admitted(both, pod_of(OTHER, "decoder"), pod_of(OWN, "router"), ENGINE_PORT)
+
+
+# --- NIXL's side channel between the pool's engines ---------------------------------------------------
+
+
+def side_channel_port(children: list[dict[str, Any]], role: str) -> int:
+    """The port the role's engines listen on for NIXL's handshake: the declared containerPort, which is the
+    port vLLM reads from VLLM_NIXL_SIDE_CHANNEL_PORT."""
+    (deployment,) = [c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"].endswith(f"-{role}")]
+    (vllm,) = deployment["spec"]["template"]["spec"]["containers"]
+    (port,) = [p["containerPort"] for p in vllm["ports"] if p["name"] == "nixl-side"]
+    env = {entry["name"]: entry for entry in vllm["env"]}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(port)}
+    return int(port)
+
+
+@pytest.mark.parametrize(
+    ("source_role", "target_role"),
+    [("decoder", "prefiller"), ("prefiller", "decoder")],
+    ids=["decoder-pulls-from-the-prefiller", "prefiller-pushes-to-the-decoder"],
+)
+def test_the_pools_engines_reach_each_others_nixl_side_channel(source_role: str, target_role: str) -> None:
+    """The sample pool runs on GPUs, so NixlConnector hands turn 1's KV over: the decoder connects to the
+    prefiller's side channel (the remote_host and remote_port the prefiller advertises); in NIXL's push mode
+    the prefiller connects to the decoder's. The policy must admit both, and only the pool's own pods."""
+    port = side_channel_port(OWN, target_role)
+    target, own_source = pod_of(OWN, target_role), pod_of(OWN, source_role)
+    assert port != ENGINE_PORT
+    assert admitted(policies(OWN), target, own_source, port)
+    assert not admitted(policies(OWN), target, pod_of(OTHER, source_role), port)
+    assert not admitted(policies(OWN), target, source("self-labelled-prometheus-in-the-pools-namespace"), port)
+    with_scrapers = render(scrapers=NAMED_SCRAPERS)
+    assert not admitted(policies(with_scrapers), pod_of(with_scrapers, target_role), source("prometheus-in-monitoring"),
+                        side_channel_port(with_scrapers, target_role))  # fmt: skip
+    # The check above is what fails if the pool's own pods are ever admitted on the engine port alone.
+    narrowed = copy.deepcopy(policies(OWN))
+    for policy in narrowed:
+        for rule in policy["spec"]["ingress"]:
+            rule["ports"] = [{"protocol": "TCP", "port": ENGINE_PORT}]
+    assert admitted(narrowed, target, own_source, ENGINE_PORT)
+    assert not admitted(narrowed, target, own_source, port)

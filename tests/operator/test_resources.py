@@ -47,6 +47,12 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 
 BASE_POOL: dict[str, Any] = sample_pool()
 
+# What the operator sets for NixlConnector's side channel in both engines of a GPU pool, such as the sample pool.
+NIXL_ENV = [
+    {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": "5600"},
+]
+
 # What the sample pool renders: every child but the model cache's claim (it has no spec.model.cache).
 EXPECTED_ORDER = [
     ("ConfigMap", "chat-config"),
@@ -486,7 +492,7 @@ def test_gpu_offload_backends_are_their_own_connectors(
     connectors = kv_config(children, "decoder")["kv_connector_extra_config"]["connectors"]
     assert connectors[-1] == connector
     assert "host_memory_bytes" not in connectors[0]["kv_connector_extra_config"]  # coserve's own pool stays off
-    rendered_env = {item["name"]: item["value"] for item in container(children, "decoder")["env"]}
+    rendered_env = {item["name"]: item.get("value") for item in container(children, "decoder")["env"]}
     assert env.items() <= rendered_env.items()
 
 
@@ -514,6 +520,7 @@ def test_engine_args_put_coserve_flags_first_then_engine_then_role_extra_args() 
         "2",
         "--scheduler-cls",
         "coserve.engine.scheduler.TDGScheduler",
+        "--no-async-scheduling",
         "--worker-cls",
         "coserve.engine.worker.SafepointGPUWorker",
         "--middleware",
@@ -568,8 +575,12 @@ def test_engine_container_runs_vllm_with_the_coserve_plugin(role: str) -> None:
         {"name": "COSERVE_CONFIG", "value": "/etc/coserve/engine.json"},
         {"name": "VLLM_PLUGINS", "value": "coserve"},
         {"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"},
+        *NIXL_ENV,  # the default resources ask for a GPU: NixlConnector hands turn 1's KV over
     ]
-    assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert engine["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "nixl-side", "containerPort": 5600, "protocol": "TCP"},
+    ]
     assert engine["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
@@ -882,13 +893,14 @@ def test_engine_wide_pod_options_land_in_both_engine_pods() -> None:
     for role in ("prefiller", "decoder"):
         template = pod_template(children, role)
         pod, engine = template["spec"], template["spec"]["containers"][0]
-        assert engine["env"][:4] == [
+        assert engine["env"][:6] == [
             {"name": "COSERVE_ROLE", "value": role},
             {"name": "COSERVE_CONFIG", "value": "/etc/coserve/engine.json"},
             {"name": "VLLM_PLUGINS", "value": "coserve"},
             {"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"},
+            *NIXL_ENV,
         ]  # the operator's own first, the user's after: $(NAME) may refer to them
-        assert engine["env"][4:] == ENGINE_OPTIONS["env"]
+        assert engine["env"][6:] == ENGINE_OPTIONS["env"]
         assert engine["envFrom"] == [{"secretRef": {"name": "engine-secrets"}}]
         assert pod["volumes"][3:] == ENGINE_OPTIONS["volumes"]
         assert engine["volumeMounts"][3:] == ENGINE_OPTIONS["volumeMounts"]
@@ -926,7 +938,7 @@ def test_a_roles_options_extend_and_replace_the_engine_wide_ones() -> None:
     pod, engine = template["spec"], template["spec"]["containers"][0]
 
     # lists: engine-wide then the role's, a same-named role entry replacing the engine-wide one in place
-    assert engine["env"][4:] == [
+    assert engine["env"][6:] == [  # after the operator's own (the side channel's two included)
         {"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
         {"name": "NCCL_DEBUG", "value": "INFO"},
         {"name": "DECODER_ONLY", "value": "1"},
@@ -954,7 +966,7 @@ def test_a_roles_options_extend_and_replace_the_engine_wide_ones() -> None:
     # the prefiller keeps the engine-wide options alone
     prefiller = pod_template(children, "prefiller")
     assert prefiller["spec"]["serviceAccountName"] == "engines"
-    assert prefiller["spec"]["containers"][0]["env"][4:] == ENGINE_OPTIONS["env"]
+    assert prefiller["spec"]["containers"][0]["env"][6:] == ENGINE_OPTIONS["env"]
 
 
 def test_engine_pods_without_options_keep_the_namespace_defaults() -> None:
@@ -1021,7 +1033,8 @@ def test_the_operators_own_names_are_the_ones_the_api_refuses() -> None:
         for item in (env for c in containers for env in c.get("env", [])):
             name = item["name"]
             reserved = name.startswith(OPERATOR_ENV_PREFIX) or name in OPERATOR_ENV_NAMES or name == "HF_TOKEN"
-            assert reserved or name.startswith("LMCACHE_"), name  # LMCACHE_* may be retuned (see above)
+            # LMCACHE_* may be retuned (see above), and NIXL's side channel moved (tests/operator/test_engine_args.py)
+            assert reserved or name.startswith(("LMCACHE_", "VLLM_NIXL_SIDE_CHANNEL_")), name
         assert {v["name"] for v in template["spec"]["volumes"]} <= set(OPERATOR_VOLUMES)
         mount_paths = {m["mountPath"] for c in containers for m in c["volumeMounts"]}
         assert mount_paths <= {*OPERATOR_MOUNT_PATHS, *ROUTER_MOUNT_PATHS, "/models"}

@@ -44,6 +44,7 @@ from coserve.api._base import ApiModel
 from coserve.api.resource import API_VERSION, KIND, CoServePool
 from coserve.api.spec import (
     HF_TOKEN_ENV,
+    OPERATOR_ENGINE_FLAGS,
     EngineSpec,
     KVOffloadBackend,
     ModelCacheSpec,
@@ -78,6 +79,7 @@ __all__ = [
     "MANAGED_BY_LABEL",
     "MODEL_DOWNLOAD_CONTAINER",
     "NAME_LABEL",
+    "NIXL_SIDE_CHANNEL_PORT",
     "OPTIONAL_CHILDREN",
     "RESTRICTED_CONTAINER_SECURITY",
     "RESTRICTED_POD_SECURITY",
@@ -134,6 +136,16 @@ ENGINE_PORT = 8000
 ROUTER_PORT = 8080
 ROUTER_SERVICE_PORT = 80
 PORT_NAME = "http"
+# NixlConnector's side channel (pools whose handoff is NIXL): each engine's scheduler listens on this port of its
+# pod's address for the NIXL handshake, and the prefiller advertises both to the decoder (remote_host, remote_port).
+# vLLM's defaults are localhost and 5600: in another pod, localhost is the decoder itself. One constant renders
+# the variable and the containerPort NIXL_SIDE_PORT_NAME, so they cannot disagree.
+# NOTE: the tensor-parallel ranks of an engine share that one listener (a request names its rank); vLLM adds the
+# data-parallel rank to the port, and coserve runs one data-parallel rank per pod, so one port is the whole range.
+NIXL_SIDE_CHANNEL_PORT = 5600
+NIXL_SIDE_PORT_NAME = "nixl-side"
+NIXL_SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+NIXL_SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 CONFIG_VOLUME = "config"
 CONFIG_MOUNT_PATH = "/etc/coserve"
@@ -560,6 +572,7 @@ def _engine_env(spec: SpecModel, role: EngineRole) -> list[Manifest]:
         {"name": CONFIG_ENV, "value": ENGINE_CONFIG_PATH},
         {"name": "VLLM_PLUGINS", "value": "coserve"},
         _token_env(),
+        *_nixl_side_channel_env(spec),
     ]
     offload = spec.kv_offload
     if offload.enabled and offload.backend == KVOffloadBackend.LMCACHE and uses_gpus(spec, role):
@@ -579,6 +592,39 @@ def _engine_env(spec: SpecModel, role: EngineRole) -> list[Manifest]:
     return env
 
 
+def _nixl_side_channel_env(spec: SpecModel) -> list[Manifest]:
+    """Where each engine of a NIXL pool (``pool_handoff``) listens for NIXL's handshake: its own pod's address
+    (the downward API's ``status.podIP``) and ``NIXL_SIDE_CHANNEL_PORT``; nothing for other pools.
+
+    Both roles get them: the decoder connects to the address the prefiller advertises, and in NIXL's push mode
+    the prefiller connects back to the decoder's. A user's env entry of the same name replaces either one, as
+    for any variable the operator does not keep for itself (an existing workaround keeps working; another
+    address, such as ``status.hostIP``, is the user's call); the containerPort follows a replaced port
+    (``_nixl_side_channel_port``).
+    """
+    if pool_handoff(spec) is not Handoff.NIXL:
+        return []
+    return [
+        {"name": NIXL_SIDE_CHANNEL_HOST_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": NIXL_SIDE_CHANNEL_PORT_ENV, "value": str(NIXL_SIDE_CHANNEL_PORT)},
+    ]
+
+
+def _nixl_side_channel_port(spec: SpecModel, env: Iterable[Manifest]) -> int | None:
+    """The port a NIXL pool's engine with environment ``env`` (the operator's merged with the user's) listens on
+    for NIXL's handshake; ``None`` outside a NIXL pool, or where the port is only known in the pod (a
+    ``valueFrom`` or a value that is no port number, which vLLM would refuse at start).
+
+    Who calls it: ``_engine_container``, for the containerPort ``NIXL_SIDE_PORT_NAME``.
+    """
+    if pool_handoff(spec) is not Handoff.NIXL:
+        return None
+    value = next((entry.get("value") for entry in env if entry["name"] == NIXL_SIDE_CHANNEL_PORT_ENV), None)
+    if not isinstance(value, str) or not value.strip().isdigit() or not 0 < int(value) < 65_536:
+        return None
+    return int(value)
+
+
 def _hf_token_env(model: ModelSpec) -> list[Manifest]:
     ref = model.hf_token_secret_ref
     if ref is None:
@@ -591,34 +637,39 @@ def _hub_cache_dir(cache: ModelCacheSpec) -> str:
 
 
 def engine_args(spec: SpecModel, role: EngineRole) -> list[str]:
-    """The vLLM server's arguments for ``role``: coserve's own, then engine.extraArgs, then the role's.
+    """The vLLM server's arguments for ``role``: coserve's own flags, then engine.extraArgs, then the role's.
 
-    NOTE: user arguments come last because vLLM's parser keeps the last value of
-    a repeated flag, so extraArgs can override any argument set here.
+    Who calls it: ``_engine_container``. coserve's flags are ``OPERATOR_ENGINE_FLAGS``, in that order, and
+    nothing else: the spec refuses extraArgs that set any of them (vLLM keeps a repeated flag's last value, so
+    one would silently replace coserve's), and this function refuses to render a flag that list does not name,
+    so what is rendered and what is refused cannot disagree. ``--no-async-scheduling`` for every role: vLLM
+    0.32 keeps two steps in flight by default on CUDA, which coserve's scheduler and layer safepoints do not
+    support (on CPUs vLLM turns it off itself).
     """
-    model = spec.model
     engine = spec.engine
-    kv_json = json.dumps(kv_transfer_config(spec, role), sort_keys=True, separators=(",", ":"))
-    return [
-        "--model",
-        model.name,
-        "--served-model-name",
-        model.served_model_name or model.name,
-        "--port",
-        str(ENGINE_PORT),
-        "--tensor-parallel-size",
-        str(engine.tensor_parallel_size),
-        "--scheduler-cls",
-        SCHEDULER_CLS,
-        "--worker-cls",
-        WORKER_CLS if uses_gpus(spec, role) else CPU_WORKER_CLS,
-        "--middleware",
-        REQUEST_VALIDATOR,
-        "--kv-transfer-config",
-        kv_json,
-        *engine.extra_args,
-        *(_role_overrides(engine, role).extra_args or []),
-    ]
+    flags = _operator_flags(spec, role)
+    if list(flags) != list(OPERATOR_ENGINE_FLAGS):
+        raise RuntimeError(
+            f"engine_args renders {list(flags)}, not OPERATOR_ENGINE_FLAGS {list(OPERATOR_ENGINE_FLAGS)}"
+        )
+    args = [part for flag, value in flags.items() for part in ([flag] if value is None else [flag, value])]
+    return [*args, *engine.extra_args, *(_role_overrides(engine, role).extra_args or [])]
+
+
+def _operator_flags(spec: SpecModel, role: EngineRole) -> dict[str, str | None]:
+    """flag -> its value (``None``: a switch), in the order ``OPERATOR_ENGINE_FLAGS`` lists them."""
+    model = spec.model
+    return {
+        "--model": model.name,
+        "--served-model-name": model.served_model_name or model.name,
+        "--port": str(ENGINE_PORT),
+        "--tensor-parallel-size": str(spec.engine.tensor_parallel_size),
+        "--scheduler-cls": SCHEDULER_CLS,
+        "--no-async-scheduling": None,
+        "--worker-cls": WORKER_CLS if uses_gpus(spec, role) else CPU_WORKER_CLS,
+        "--middleware": REQUEST_VALIDATOR,
+        "--kv-transfer-config": json.dumps(kv_transfer_config(spec, role), sort_keys=True, separators=(",", ":")),
+    }
 
 
 def uses_gpus(spec: SpecModel, role: EngineRole) -> bool:
@@ -707,16 +758,21 @@ def _engine_container(spec: SpecModel, role: EngineRole, options: PodTemplateOpt
     cache_mounts = [] if cache is None else [
         {"name": MODEL_CACHE_VOLUME, "mountPath": cache.mount_path, "readOnly": True}
     ]  # fmt: skip
+    # the user's variables follow the operator's; one named like an operator-set LMCACHE_* or NIXL one replaces it
+    env = _merged_by("name", _engine_env(spec, role), options.env)
+    ports = [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    side_port = _nixl_side_channel_port(spec, env)
+    if side_port is not None:
+        ports.append({"name": NIXL_SIDE_PORT_NAME, "containerPort": side_port, "protocol": "TCP"})
     return {
         "name": ENGINE_CONTAINER,
         "image": engine.image,
         "imagePullPolicy": engine.image_pull_policy,
         "command": list(ENGINE_COMMAND),
         "args": engine_args(spec, role),
-        # the user's variables follow the operator's; one named like an operator-set LMCACHE_* replaces it
-        "env": _merged_by("name", _engine_env(spec, role), options.env),
+        "env": env,
         "envFrom": options.env_from or None,
-        "ports": [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": ports,
         # Loading weights and capturing CUDA graphs takes minutes (plus the download, without a cache):
         # the startup probe allows that before liveness starts counting.
         "startupProbe": _http_probe(
@@ -991,6 +1047,10 @@ def _token_secret(pool: CoServePool) -> Manifest:
 def _engine_network_policy(pool: CoServePool) -> Manifest:
     """Engine pods accept traffic from the pool's own pods (router, prefillers, decoders: requests and KV
     handoff) on any port, and from ``spec.engine.metricsScrapers`` on the engine port; nobody else.
+
+    NOTE: any port, not ENGINE_PORT, for the pool's own pods: NixlConnector's handshake runs between the engines on
+    NIXL_SIDE_CHANNEL_PORT (plus the data-parallel rank, where a user's extraArgs ask for several), and its
+    transfers on ports UCX picks at run time.
 
     A peer with only a podSelector selects pods of the policy's own namespace; each scraper is a peer with a
     namespaceSelector and a podSelector, both naming labels (the spec refuses an empty one, which would select

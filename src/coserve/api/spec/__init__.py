@@ -25,7 +25,7 @@ One module per part of the spec; import from here, which re-exports them all:
 - ``pod_options``: pod template options shared by the engines and the router, built from
   ``env``, ``volumes`` and ``placement``
 - ``core``: quantities, resource requirements, tolerations and name patterns, as core/v1 has them
-- ``reserved``: names the operator keeps for itself in the pods
+- ``reserved``: names the operator keeps for itself in the pods, and the vLLM flags it renders
 - ``_rules``: helpers for the CEL rules and their pydantic twins
 
 The parts import one another one way only: ``pool`` on top, ``core``, ``reserved`` and ``_rules``
@@ -107,6 +107,8 @@ from coserve.api.spec.priority_classes import (
 )
 from coserve.api.spec.reserved import (
     HF_TOKEN_ENV,
+    OPERATOR_ENGINE_FLAG_ALIASES,
+    OPERATOR_ENGINE_FLAGS,
     OPERATOR_ENV_NAMES,
     OPERATOR_ENV_PREFIX,
     OPERATOR_LABELS,
@@ -139,6 +141,8 @@ __all__ = [
     "HF_TOKEN_ENV",
     "LABEL_VALUE_PATTERN",
     "MAX_LABEL_KEY_LENGTH",
+    "OPERATOR_ENGINE_FLAGS",
+    "OPERATOR_ENGINE_FLAG_ALIASES",
     "OPERATOR_ENV_NAMES",
     "OPERATOR_ENV_PREFIX",
     "OPERATOR_LABELS",

@@ -3,6 +3,12 @@
 ``EngineSpec`` is ``spec.engine`` and ``KVOffloadSpec`` is ``spec.kvOffload``;
 ``coserve.operator.resources`` renders the prefiller and decoder Deployments and the engines' config
 from them, and ``coserve.provisioning.validation`` checks the KV offload settings.
+
+extraArgs that set a flag the operator renders (``OPERATOR_ENGINE_FLAGS``) are refused here, by pydantic only:
+the API server accepts them, and ``coserve render``/``plan`` and the operator (PlanValid=False) name the item.
+NOTE: no CEL twin: reading an argument as vLLM does (underscores, ``=``, abbreviations) takes regexes over up to
+256 strings of unbounded length, whose estimated cost can make the API server refuse the whole CRD, and no API
+server runs here to check it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,41 @@ from coserve.api._base import ApiModel
 from coserve.api.spec._rules import _cel, _fail
 from coserve.api.spec.core import LabelValue, ResourceRequirements, Toleration, _label_key_problem
 from coserve.api.spec.pod_options import EnginePodOptions
+from coserve.api.spec.reserved import OPERATOR_ENGINE_FLAG_ALIASES, OPERATOR_ENGINE_FLAGS
 from coserve.api.spec.volumes import _mount_rule, _unnamed_volumes
+
+# every option string vLLM reads as a flag the operator renders -> that flag
+_OPERATOR_OPTIONS: dict[str, str] = {**{flag: flag for flag in OPERATOR_ENGINE_FLAGS}, **OPERATOR_ENGINE_FLAG_ALIASES}
+_REFUSED_ARGS = (
+    f"The flags the operator sets ({', '.join(_OPERATOR_OPTIONS)}) are refused, in any spelling vLLM reads "
+    "(--flag=value, _ for -, an abbreviation, --flag.key for a JSON flag): vLLM keeps a repeated flag's last value."
+)
+
+
+def _operator_flag(arg: str) -> str | None:
+    """The flag of ``OPERATOR_ENGINE_FLAGS`` that the vLLM argument ``arg`` sets, or ``None``.
+
+    Read as vLLM's ``FlexibleArgumentParser`` reads it: ``--flag=value`` and ``--flag.key`` (a key of a JSON
+    flag) name ``--flag``; ``_`` in a long flag's name is ``-``; and argparse takes an abbreviation, a prefix of
+    one option, for that option. A prefix of several (which vLLM refuses itself) is refused too.
+    """
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
+    if not name.startswith("-") or name in ("-", "--"):
+        return None
+    return next((flag for option, flag in _OPERATOR_OPTIONS.items() if option.startswith(name)), None)
+
+
+def _refuse_operator_flags(args: list[str] | None) -> None:
+    """Refuse each item of an ``extraArgs`` list that sets a flag the operator renders, naming its index."""
+    problems = [
+        ((index,), f"'{flag}' is set by coserve ({OPERATOR_ENGINE_FLAGS[flag]})", arg)
+        for index, arg in enumerate(args or ())
+        if (flag := _operator_flag(arg)) is not None
+    ]
+    if problems:
+        _fail(problems)
 
 
 class RoleOverrides(EnginePodOptions):
@@ -40,8 +80,14 @@ class RoleOverrides(EnginePodOptions):
     extra_args: list[str] | None = Field(
         default=None,
         max_length=256,
-        description="extraArgs are appended to engine.extraArgs for this role only.",
+        description=f"extraArgs are appended to engine.extraArgs for this role only. {_REFUSED_ARGS}",
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_operator_flags(cls, args: list[str] | None) -> list[str] | None:
+        _refuse_operator_flags(args)
+        return args
 
 
 _MAX_SCRAPER_LABELS = 16
@@ -128,7 +174,8 @@ class EngineSpec(EnginePodOptions):
     extra_args: list[str] = Field(
         default_factory=list,
         max_length=256,
-        description="extraArgs are appended to the vLLM server's command line in every engine pod.",
+        description="extraArgs are appended to the vLLM server's command line in every engine pod, after the "
+        f"operator's own flags. {_REFUSED_ARGS}",
     )
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=64, description="tensorParallelSize is vLLM's --tensor-parallel-size."
@@ -162,6 +209,12 @@ class EngineSpec(EnginePodOptions):
         "conversations move to another decoder at their next turn. The pod is deleted when it is idle or this "
         "bound passes.",
     )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_operator_flags(cls, args: list[str]) -> list[str]:
+        _refuse_operator_flags(args)
+        return args
 
     @model_validator(mode="after")
     def _mounts_name_volumes(self) -> Self:
