@@ -62,11 +62,14 @@ class CudaEvents:
     illegal, and there is no step to preempt.
     """
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, blocking: bool = False) -> None:
+        """``blocking``: a wait yields the CPU until the device signals (``cudaEventBlockingSync``) instead of
+        spinning a core on the event, for a later wake-up; off by default until the GPU check's figures
+        (``torch_safepoint_overhead_cuda``'s ``events``) say which is better."""
         import torch
 
         self._torch = torch
-        self._events = [torch.cuda.Event() for _ in range(count)]  # type: ignore[no-untyped-call]
+        self._events = [torch.cuda.Event(blocking=blocking) for _ in range(count)]  # type: ignore[no-untyped-call]
 
     def record(self, slot: int) -> None:
         self._events[slot].record()
