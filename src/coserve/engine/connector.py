@@ -97,24 +97,8 @@ class CoServeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             require_one_step_in_flight(vllm_config, "coserve's CoServeConnector")
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        safepoints = extra.get("safepoints", True)
-        if not isinstance(safepoints, bool):
-            raise ValueError(f"kv_connector_extra_config.safepoints: must be true or false, got {safepoints!r}")
-        self.safepoints = safepoints
-        runahead = extra.get("safepoint_runahead", DEFAULT_RUNAHEAD)
-        if isinstance(runahead, bool) or not isinstance(runahead, int) or runahead < 0:
-            raise ValueError(
-                f"kv_connector_extra_config.safepoint_runahead: must be a whole number of safepoints >= 0, "
-                f"got {runahead!r}"
-            )
-        min_step_s = extra.get("safepoint_min_step_s", 0.0)
-        if isinstance(min_step_s, bool) or not isinstance(min_step_s, (int, float)) or not min_step_s >= 0:
-            raise ValueError(
-                f"kv_connector_extra_config.safepoint_min_step_s: must be a number of seconds >= 0, got {min_step_s!r}"
-            )
-        # A step the cost model predicts to end within this needs no safepoint: an urgent arrival waits at most
-        # that long for it anyway, and on a GPU each safepoint's run-ahead wait costs the step (TDGScheduler).
-        self.safepoint_min_step_s = float(min_step_s)
+        self.safepoints, runahead, self.safepoint_min_step_s = _safepoint_settings(extra)
+        self.in_multi_connector = False  # set by the TDGScheduler that finds it inside vLLM's MultiConnector
         self.board_name = board_name(str(self._kv_transfer_config.engine_id))
         self._next_step_id = 0
         self._board: SafepointBoard | None = None
@@ -213,7 +197,9 @@ class CoServeConnector(KVConnectorBase_V1):
             copied = float(workers.data.get("bytes_offloaded", 0)) + float(workers.data.get("bytes_reloaded", 0))
             self.planner.observe_copies(copied, float(sum(workers.data.get("step_copy_s") or [])))
         stats = CoServeKVStats(data=self.planner.take_stats())
-        connector_output.kv_connector_stats = merge_stats(connector_output.kv_connector_stats, stats)
+        connector_output.kv_connector_stats = merge_stats(
+            connector_output.kv_connector_stats, stats, nested=self.in_multi_connector
+        )
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -339,6 +325,27 @@ class CoServeConnector(KVConnectorBase_V1):
     @property
     def board(self) -> SafepointBoard | None:
         return self._board
+
+
+def _safepoint_settings(extra: dict[str, Any]) -> tuple[bool, int, float]:
+    """``safepoints``, ``safepoint_runahead`` and ``safepoint_min_step_s`` from the connector's extra config.
+
+    ``safepoint_min_step_s``: a step the cost model predicts to end within it needs no safepoint (an urgent
+    arrival waits at most that long for it anyway, and on a GPU each run-ahead wait costs the step)."""
+    safepoints = extra.get("safepoints", True)
+    if not isinstance(safepoints, bool):
+        raise ValueError(f"kv_connector_extra_config.safepoints: must be true or false, got {safepoints!r}")
+    runahead = extra.get("safepoint_runahead", DEFAULT_RUNAHEAD)
+    if isinstance(runahead, bool) or not isinstance(runahead, int) or runahead < 0:
+        raise ValueError(
+            f"kv_connector_extra_config.safepoint_runahead: must be a whole number of safepoints >= 0, got {runahead!r}"
+        )
+    min_step_s = extra.get("safepoint_min_step_s", 0.0)
+    if isinstance(min_step_s, bool) or not isinstance(min_step_s, (int, float)) or not min_step_s >= 0:
+        raise ValueError(
+            f"kv_connector_extra_config.safepoint_min_step_s: must be a number of seconds >= 0, got {min_step_s!r}"
+        )
+    return safepoints, runahead, float(min_step_s)
 
 
 def _on_cuda() -> bool:

@@ -88,14 +88,20 @@ def own_stats(stats: KVConnectorStats | None) -> KVConnectorStats | None:
     return inner if isinstance(inner, KVConnectorStats) else None
 
 
-def merge_stats(stats: KVConnectorStats | None, ours: CoServeKVStats) -> KVConnectorStats:
+def merge_stats(stats: KVConnectorStats | None, ours: CoServeKVStats, *, nested: bool = False) -> KVConnectorStats:
     """The step's stats with the scheduler side's counters added where vLLM will look for them.
 
-    Alone, coserve's stats are the step's. Inside a MultiConnector they are one entry of
+    Alone, coserve's stats are the step's. Inside a MultiConnector (``nested``) they are one entry of
     ``MultiKVConnectorStats``: merging ours into the outer object would put bare numbers where vLLM
-    expects each connector's stats, and the engine core dies in ``to_dict`` at the next step.
+    expects each connector's stats, and the engine core dies in ``to_dict`` at the next step. That holds
+    when no worker reported stats for the step (``stats`` None) too: the API server reads whatever comes
+    as the MultiConnector's per-connector stats.
     """
     if stats is None:
+        if nested:
+            from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorStats
+
+            return MultiKVConnectorStats(data={CONNECTOR_KEY: ours})
         return ours
     if isinstance(stats, CoServeKVStats):
         return stats.aggregate(ours)

@@ -40,7 +40,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from coserve.engine.connector import find_connector, find_metadata
+from coserve.engine.connector import CoServeConnector, find_connector, find_metadata
 from coserve.engine.in_flight import require_one_step_in_flight
 from coserve.engine.safepoint import PostedStep, SafepointBoard
 from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching
@@ -93,6 +93,9 @@ class TDGScheduler(Scheduler):
         self._safepoint_min_step_s = coserve_connector.safepoint_min_step_s if coserve_connector is not None else 0.0
         self.num_steps_unchecked = 0  # steps predicted too short to need a safepoint
         if coserve_connector is not None:
+            for child in getattr(self.connector, "_connectors", None) or ():  # inside vLLM's MultiConnector
+                if isinstance(child, CoServeConnector):
+                    child.in_multi_connector = True
             # Posted even with safepoints off, so the step stays observable (benchmarks' baseline).
             self.board = SafepointBoard.create(coserve_connector.board_name)
             coserve_connector.scheduler_board = self.board  # it reads the pause switch once per step
