@@ -7,9 +7,11 @@ code too) substituting only:
 - the model (an HF id) → the tiny random-weight Llama (no downloads);
 - ``--port`` → a free port, plus ``--host 127.0.0.1``, and ``--dtype float32`` (see test_render_parity.py);
 - ``--worker-cls coserve.engine.worker.SafepointGPUWorker`` → ``SafepointCPUWorker`` (no CUDA);
-- inside MultiConnector, ``NixlConnector`` (it needs RDMA/UCX and GPUs) → a connector that runs on CPUs,
-  in the same position with the same ``kv_role``: vLLM's ``ExampleConnector``, or, for the pool topology
-  test, coserve's shared-memory handoff (``handoff=``), which follows the same P/D protocol;
+- inside MultiConnector, ``NixlConnector``: for the pool topology test (``pod=``) it is kept, vLLM's real
+  connector over the PyPI ``nixl`` packages' UCX backend, with only ``kv_buffer_device: cpu`` added (the KV
+  lives in host memory here), and each engine runs in its own network namespace with its pod IP as
+  ``--host`` and in the variables the downward API fills from ``status.podIP`` (``pod_network.py``);
+  elsewhere it becomes vLLM's ``ExampleConnector`` in the same position with the same ``kv_role``;
 - the ConfigMap mount ``/etc/coserve`` → a folder holding the rendered ConfigMap's files;
 - the router-token Secret mount → a folder holding a token (the operator generates the real one);
 - any other volume the caller names (``mounts=``, e.g. the model cache) → the folder it gives.
@@ -42,8 +44,9 @@ from coserve.engine.rendered import (
     local_launch,
 )
 from coserve.engine.safepoint import SafepointBoard
+from pod_network import PodNetwork
 
-__all__ = ["RenderedEngine", "cpu_variant", "render", "shm_handoff"]
+__all__ = ["RenderedEngine", "cpu_variant", "render"]
 
 SHM = Path("/dev/shm")  # noqa: S108 - where POSIX shared memory (the safepoint board) lives
 CPU_WORKER = "coserve.engine.worker.SafepointCPUWorker"
@@ -73,30 +76,23 @@ def cpu_variant(document: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def shm_handoff(handoff: Path) -> dict[str, Any]:
-    """coserve's shared-memory handoff in NixlConnector's place: the same P/D protocol, between processes here."""
-    return {
-        "kv_connector": "CoServeConnector",
-        "kv_connector_module_path": "coserve.engine.connector",
-        "kv_connector_extra_config": {"safepoints": False, "handoff_backend": "shm", "handoff_path": str(handoff)},
-    }
-
-
 class RenderedEngine:
     """A rendered engine (the decoder unless ``role`` says otherwise), launched with only the module
-    docstring's substitutions. ``handoff``: a shared-memory directory; when given, NixlConnector is
-    substituted by coserve's shm handoff instead of vLLM's ExampleConnector (the topology test).
-    ``mounts``: volume name -> folder, for volumes beyond the ConfigMap and the router token."""
+    docstring's substitutions. ``pod``: a pod network and this engine's pod in it; when given, the engine
+    runs there with vLLM's real NixlConnector (the topology test), else with vLLM's ExampleConnector in
+    NixlConnector's place. ``mounts``: volume name -> folder, for volumes beyond the ConfigMap and the
+    router token."""
 
     def __init__(
         self, objects: list[dict[str, Any]], model: Path, workdir: Path, role: str = "decoder",
-        handoff: Path | None = None, mounts: Mapping[str, Path] | None = None,
+        pod: tuple[PodNetwork, int] | None = None, mounts: Mapping[str, Path] | None = None,
     ) -> None:  # fmt: skip
         self.container = engine_container(objects, role)
         self.role = role
         self.workdir = workdir
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        pod_ip = pod[0].ips[pod[1]] if pod is not None else None
+        self.base = f"http://{pod_ip or '127.0.0.1'}:{self.port}"
         config_dir = workdir / "etc-coserve"
         config_dir.mkdir(parents=True, exist_ok=True)
         for name, text in config_files(objects).items():
@@ -105,20 +101,25 @@ class RenderedEngine:
         token_dir.mkdir(parents=True, exist_ok=True)
         self.token = "parity-router-token"  # noqa: S105 - a test token
         (token_dir / "token").write_text(self.token)
-        nixl = shm_handoff(handoff) if handoff is not None else example_connector(workdir / "kv")
         volumes = {"config": config_dir, "router-token": token_dir, **(mounts or {})}
         substitutions = Substitutions(
-            model=str(model), port=self.port, mounts=volumes, worker_cls=CPU_WORKER, nixl=nixl
-        )
+            model=str(model), port=self.port, mounts=volumes, worker_cls=CPU_WORKER,
+            nixl=example_connector(workdir / "kv") if pod is None else None,
+            pod_ip=pod_ip, nixl_settings={"kv_buffer_device": "cpu"},
+        )  # fmt: skip
         self.launch = local_launch(self.container, substitutions)
         assert "--dtype" not in self.launch.argv, "the rendering sets a dtype: substitute it instead of adding one"
         self.argv = [*self.launch.argv, "--dtype", "float32"]
+        self.command = pod[0].wrap(pod[1], self.argv) if pod is not None else self.argv
         self.env = {
             **os.environ,
             **self.launch.env,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_CPU_CI_ENV": "1",
         }
+        if pod is None:
+            # vLLM's CI switch: no warm-up, an eager backend. With NIXL moving KV, vllm-cpu 0.32's worker then
+            # corrupts its heap on the next prefill (plain vLLM too, no coserve in it): the pods run without it.
+            self.env["VLLM_CPU_CI_ENV"] = "1"
         self.log = workdir / "vllm.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.board: SafepointBoard | None = None
@@ -126,7 +127,7 @@ class RenderedEngine:
     def __enter__(self) -> RenderedEngine:
         before = set(SHM.glob("coserve-sp-*"))
         with self.log.open("wb") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + 300
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:

@@ -131,6 +131,13 @@ def test_without_mounts_no_path_changes() -> None:
          {**coserve_child(), "kv_connector_extra_config": {"coserve_config": "/etc/coserve/engine.json",
                                                            "safepoints": False}}),
         (multi(coserve_child(), NIXL), {}, multi(coserve_child(), NIXL)),
+        # NixlConnector kept, a setting added to it (the KV in host memory); a stand-in gets none of it
+        (multi(coserve_child(), NIXL), {"nixl_settings": {"kv_buffer_device": "cpu"}},
+         multi(coserve_child(), {**NIXL, "kv_buffer_device": "cpu"})),
+        (multi(coserve_child(), NIXL), {"nixl_settings": {"kv_buffer_device": "cpu"},
+                                        "nixl": example_connector(Path("/kv"))},
+         multi(coserve_child(), {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer",
+                                 "kv_connector_extra_config": {"shared_storage_path": "/kv"}})),
     ],
 )  # fmt: skip
 def test_connectors_change_in_place_only_where_asked(
@@ -140,6 +147,21 @@ def test_connectors_change_in_place_only_where_asked(
 
     assert substitute_transfer(transfer, subs(**changes)) == expected
     assert json.dumps(transfer) == before  # the rendering itself is not changed
+
+
+def test_the_pod_ip_is_the_host_and_fills_what_the_downward_api_sets_from_it() -> None:
+    env = [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+           {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": "5600"}]  # fmt: skip
+
+    in_pod = local_launch(container(env=env), subs(pod_ip="10.0.0.7"))
+    loopback = local_launch(container(env=env), subs())
+
+    assert flag(in_pod.argv, "--host") == "10.0.0.7" and flag(loopback.argv, "--host") == "127.0.0.1"
+    assert in_pod.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.7" and "NODE" not in in_pod.env
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in loopback.env  # no pod IP: vLLM's default, as before
+    assert in_pod.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == loopback.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST (status.podIP) -> 10.0.0.7" in in_pod.substitutions
 
 
 def test_the_stand_in_of_nixl_is_launched_in_its_position() -> None:

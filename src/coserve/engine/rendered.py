@@ -6,12 +6,14 @@ environment that run here, changing only what cannot exist outside the pod (``Su
 
 - ``python3`` → this interpreter; ``--model`` (an HF id) → the model here (a folder, or the same id
   where a local hub cache holds it);
-- ``--port`` → a port free here, plus ``--host 127.0.0.1``;
+- ``--port`` → a port free here, plus ``--host 127.0.0.1`` (or the pod IP given, which also fills each
+  variable the downward API sets from ``status.podIP``);
 - each volume mount given (the ConfigMap's ``/etc/coserve``, the router token's Secret, the model
   cache) → a folder here, wherever its path starts a path in an argument or an environment value;
 - where asked: ``--worker-cls`` → another worker (the CPU one); an alias beside the
   ``--served-model-name``; ``NixlConnector`` → a stand-in in the same MultiConnector position with
-  the same ``kv_role``; ``"safepoints": false`` in coserve's connector settings (a baseline); the
+  the same ``kv_role``, or settings added to the NixlConnector kept (``kv_buffer_device: cpu``);
+  ``"safepoints": false`` in coserve's connector settings (a baseline); the
   router token's variable left out, so that the engine trusts each request's class, as a local
   engine (``EngineServer``) does, where clients that send no token would be served at the lowest.
 
@@ -101,6 +103,8 @@ class Substitutions:
     nixl: Mapping[str, Any] | None = None  # the connector in NixlConnector's place, without kv_role (that is kept)
     safepoints: bool = True  # False: "safepoints": false in coserve's connector settings
     router_token: bool = True  # False: ROUTER_TOKEN_FILE_ENV is left out of the environment
+    pod_ip: str | None = None  # the pod's IP: --host, and each variable the downward API sets from status.podIP
+    nixl_settings: Mapping[str, Any] = field(default_factory=dict)  # added to a NixlConnector that is kept
 
 
 @dataclass
@@ -130,8 +134,10 @@ def local_launch(container: Mapping[str, Any], subs: Substitutions) -> Launch:
         alias = subs.served_alias
         extra = [alias] if flag == "--served-model-name" and alias is not None and alias != value else []
         argv += [flag] if value is None else [flag, local(value), *extra]
-    argv += ["--host", HOST]
+    argv += ["--host", subs.pod_ip or HOST]
     env = {e["name"]: local(e["value"]) for e in container.get("env") or [] if "value" in e}
+    if subs.pod_ip is not None:
+        env |= dict.fromkeys(_pod_ip_variables(container), subs.pod_ip)
     if not subs.router_token:
         env.pop(ROUTER_TOKEN_FILE_ENV, None)
     env["HF_HUB_OFFLINE"] = "1"
@@ -155,7 +161,11 @@ def substitution_notes(container: Mapping[str, Any], subs: Substitutions) -> lis
     notes = ["python3 -> this interpreter"]
     if rendered.get("--model") != subs.model:
         notes.append(f"--model {rendered.get('--model')} -> {subs.model}")
-    notes.append(f"--port -> a free port, plus --host {HOST}")
+    notes.append(f"--port -> a free port, plus --host {subs.pod_ip or HOST}")
+    if subs.pod_ip is not None:
+        notes += [f"{name} (status.podIP) -> {subs.pod_ip}" for name in _pod_ip_variables(container)]
+    if subs.nixl is None and subs.nixl_settings:
+        notes.append(f"{NIXL_CONNECTOR} + {json.dumps(dict(subs.nixl_settings), sort_keys=True)}")
     if subs.worker_cls is not None and rendered.get("--worker-cls") != subs.worker_cls:
         notes.append(f"--worker-cls {rendered.get('--worker-cls')} -> {subs.worker_cls}")
     if subs.served_alias is not None and rendered.get("--served-model-name") != subs.served_alias:
@@ -190,10 +200,20 @@ def _connector(connector: Mapping[str, Any], subs: Substitutions) -> dict[str, A
     out = dict(connector)
     if out.get("kv_connector") == COSERVE_CONNECTOR and not subs.safepoints:
         out["kv_connector_extra_config"] = {**(out.get("kv_connector_extra_config") or {}), "safepoints": False}
+    if out.get("kv_connector") == NIXL_CONNECTOR and subs.nixl is None:
+        out |= subs.nixl_settings
     if out.get("kv_connector") == NIXL_CONNECTOR and subs.nixl is not None:
         stand_in = dict(subs.nixl)
         out = {"kv_connector": stand_in.pop("kv_connector"), "kv_role": out["kv_role"], **stand_in}
     return out
+
+
+def _pod_ip_variables(container: Mapping[str, Any]) -> list[str]:
+    """The environment variables the downward API sets to the pod's IP."""
+    return [
+        e["name"] for e in container.get("env") or []
+        if ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath") == "status.podIP"
+    ]  # fmt: skip
 
 
 def _launched_connectors(args: Sequence[str], subs: Substitutions) -> list[str]:
