@@ -166,6 +166,7 @@ class World:
     max_tokens_per_step: int = 8192  # new tokens per step (chunked prefill's budget)
     max_num_seqs: int = 256  # sequences an engine runs at once
     kv_capacity_tokens: int = 400_000  # ~52 GB of KV cache at 128 KiB per token
+    prefill_site: str = "fastest"  # the router's prefillSite: turn 1 on a prefiller or its decoder, the sooner
 
     def prefill_s(self, tokens: float) -> float:
         """One prompt alone on an idle engine, in one step: latency(L, 0)."""
@@ -184,6 +185,7 @@ class World:
             "max_num_seqs": self.max_num_seqs,
             "slide": SlideConfig(max_tokens_per_step=self.max_tokens_per_step),
             "prefill_latency": self.prefill_curve(),
+            "prefill_site": self.prefill_site,
         }
         return SimConfig(
             prefillers=prefillers,

@@ -49,8 +49,9 @@ def token_times(world: ModuleType, arrivals: Any, prefillers: int, decoders: int
 
 
 def test_a_pool_too_small_for_the_load_queues_and_misses_the_slo(world: ModuleType) -> None:
-    # one prefill of 1,000 tokens takes ~78 ms (batched ones no less), so one prefiller serves ~13 requests/s
-    spec, arrivals = steady(world, rate_per_s=20, seconds=30)
+    # one prefill of 1,000 tokens takes ~78 ms (batched ones no less), so one engine prefills ~13 requests/s:
+    # the prefiller and the two decoders, which prefill turn 1 too when that is sooner, ~39 requests/s
+    spec, arrivals = steady(world, rate_per_s=60, seconds=30)
     run = fixed_run(world, spec, arrivals, prefillers=1, decoders=2)
     summary = world.summarize(run)
     ttft_slo_s = spec.priority_classes[0].ttft_slo_ms / 1000
@@ -108,9 +109,11 @@ def step_s(world: ModuleType, pieces: list[tuple[int, int]]) -> float:
 def test_the_prefiller_batches_a_queue_into_chunked_steps_the_cost_model_times(world: ModuleType) -> None:
     """15,000 prompt tokens in prefill steps of at most 8,192: the second step finishes both remaining prompts.
     Each turn's KV then moves (its whole 16-token blocks short of the last token: 4,992 of 5,000) and the
-    decoder computes the 8-token tail and answers."""
+    decoder computes the 8-token tail and answers. (Turn 1 kept on the prefiller: an idle decoder would give
+    the first token sooner.)"""
     arrivals = world.Arrivals("chunks", [0.0] * 3, [5000] * 3, [10] * 3, 1.0, 1.0)
-    first, second, third = sorted(times[0] for times in token_times(world, arrivals, prefillers=1, decoders=1))
+    times = token_times(world, arrivals, prefillers=1, decoders=1, prefill_site="prefiller")
+    first, second, third = sorted(t[0] for t in times)
     config = world.WORLD.config(1, 1)
     move = 4992 * config.kv_bytes_per_token / config.kv_bandwidth_bytes_per_s
     prefilled = step_s(world, [(5000, 0), (3192, 0)])

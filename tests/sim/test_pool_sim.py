@@ -311,3 +311,23 @@ def test_a_prefilled_turn_is_answered_by_its_decoder_after_the_handoff() -> None
     assert len(request.token_times) == 3
     assert request.token_times[0] == pytest.approx(first)
     assert request.token_times[1] - request.token_times[0] == pytest.approx(COST.latency_s(1, 100))
+
+
+def test_the_twin_prefills_turn_one_where_the_router_would() -> None:
+    """Both engines idle: by the prefill curve the decoder gives the first token sooner (no KV move, no second
+    step), so turn 1 is computed there and nothing is moved; ``prefill_site="prefiller"`` keeps it off the
+    decoder, as the router's ``prefillSite`` does; without a curve the prefiller is taken."""
+    one = [conversation("c", 0.0, [2000, 2100], 4, gap=0.1)]
+    curve = (0.01, 1e-4, 0.0)
+
+    local = run(one, prefill_latency=curve)
+    remote = run(one, prefill_latency=curve, prefill_site="prefiller")
+    unknown = run(one)
+
+    assert local.prefill_sites == {"sooner_on_decoder": 1}
+    assert not any(r.moved for r in local.result.records)  # type: ignore[attr-defined]
+    assert remote.prefill_sites == {"prefiller_only": 1}
+    assert unknown.prefill_sites == {"no_curve": 1}
+    assert remote.result.records[0].moved and unknown.result.records[0].moved  # type: ignore[attr-defined]
+    decoders = {r.decoder for r in local.result.records}  # type: ignore[attr-defined]
+    assert len(decoders) == 1  # turn 2 stays where turn 1 was computed

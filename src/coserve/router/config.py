@@ -15,9 +15,11 @@
      "placement": "conversation",                     # "turn" / "request": baselines (see RouterConfig)
      "batchDir": "/var/lib/coserve/batches",          # offline batches persist here (absent: no batch API)
      "batchLock": "file",                             # or "lease": one runner per batch across replicas
-     "prefillLatency": {"constantS": 0.01, "perTokenS": 1e-4, "perTokenSquaredS": 0}}
+     "prefillLatency": {"constantS": 0.01, "perTokenS": 1e-4, "perTokenSquaredS": 0},
                                                       # the engine profile's prefill cost: prefillers that
                                                       # cannot meet a request's TTFT SLO are avoided
+     "prefillSite": "fastest",                        # turn 1 on a prefiller or its decoder, the sooner
+     "kvTransferSPerToken": 5.2e-6}                   # the KV move's cost per prompt token (0: uncounted)
 
 Every key but ``model`` is optional; an unknown key is an error (a typo must not vanish silently).
 
@@ -228,6 +230,19 @@ class RouterConfig(BaseModel):
         None,
         description="prefillLatency is the engine profile's prefill cost: prefillers that cannot meet a "
         "request's TTFT SLO are avoided; absent: no deadline estimates.",
+    )
+    prefill_site: Literal["fastest", "prefiller"] = Field(
+        "fastest",
+        description="prefillSite is where turn 1 prefills: fastest (a prefiller or the decoder that will hold "
+        "the conversation, whichever gives the first token soonest by prefillLatency, the decoder only while "
+        "its streams keep their TPOT objective) or prefiller (always a prefiller while one is up).",
+    )
+    kv_transfer_s_per_token: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="kvTransferSPerToken is the KV move's cost per prompt token from a prefiller to a decoder, "
+        "in seconds (KV bytes per token over the link's bytes per second); 0: not counted.",
     )
 
     @field_validator("classes", mode="before")

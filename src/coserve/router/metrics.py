@@ -58,6 +58,12 @@ class RouterMetrics:
         )
         self.conversations = Counter("coserve_router_conversations", "New conversations (turn 1 arrivals).", registry=r)
         self.turns = Counter("coserve_router_turns", "Turns of pinned conversations (turn 2 and later).", registry=r)
+        self.prefill_site = Counter(
+            "coserve_router_prefill_site",
+            "Where turn 1 prefilled (site: prefiller or decoder), and why (reason).",
+            ["site", "reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "coserve_router_prompt_tokens",
             "Prompt tokens of answered requests (engines' usage), by class.",

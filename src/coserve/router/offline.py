@@ -65,11 +65,13 @@ class Offline:
         placed = place_offline(list(self.engines.decoders.values()), list(self.engines.prefillers.values()))
         if placed is not None and placed.prefiller is None:  # the decoder prefills it too: no prefiller, no pin
             decoder = placed.decoder
-            decoder.admitted_tokens += estimate_tokens(body)
+            tokens = estimate_tokens(body)
+            decoder.admitted_tokens += tokens
             try:
                 response = await self.upstream.forward(
-                    decoder, endpoint_path(endpoint), body, lowest.name, lowest.ttft_slo_s, arrived, arrived
-                )
+                    decoder, endpoint_path(endpoint), body, lowest.name, lowest.ttft_slo_s, arrived, arrived,
+                    None, tokens,
+                )  # fmt: skip
             except Unavailable as failure:
                 self.placement.forward_failed(decoder, failure)
                 response = error_response(503, f"decoder {decoder.url} failed ({failure}); retry shortly")

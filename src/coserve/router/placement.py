@@ -3,7 +3,7 @@
 Who calls it: ``coserve.router.app.Router.handle`` once per admitted request (``route``),
 ``coserve.router.offline`` for batch lines that take the online placement (``route``, ``forward_failed``),
 and the router's poller after each refresh (``expire``). The choices themselves are
-``coserve.router.policy``'s (``PinTable``, ``choose_decoder``, ``choose_for_request``); the requests are
+``coserve.router.policy``'s (``PinTable``, ``choose_decoder``, ``choose_prefill_site``); the requests are
 ``coserve.router.upstream``'s.
 
 A request's path (``placement: conversation``, the default):
@@ -12,9 +12,10 @@ A request's path (``placement: conversation``, the default):
    no pin and the request may continue an earlier turn, it is found by asking the decoders which holds it
    (``find_pin``): every decoder records the conversations the router sends it, so a turn lands on its
    decoder whatever router replica it reaches and however many replicas restarted;
-2. otherwise it is placed now (turn 1, or a re-placement when the pinned decoder is gone): with prefillers,
-   the prompt is prefilled on one so the decoder loads its KV instead of computing it; then it is pinned to
-   the decoder with the lowest KV occupancy;
+2. otherwise it is placed now (turn 1, or a re-placement when the pinned decoder is gone): it is pinned to
+   the decoder with the lowest KV occupancy, and prefilled where its first token comes soonest
+   (``choose_prefill_site``): on a prefiller, so the decoder loads its KV instead of computing it, or on
+   the decoder itself (``prefillSite: prefiller`` keeps it off the decoder while a prefiller is up);
 3. it is forwarded to its decoder. A decoder that fails before anything was sent to the client has the
    request retried once on another decoder, re-placing and re-pinning that conversation alone. The failure
    is counted; a decoder is down and its conversations lose their pins only after ``pinDropFailures``
@@ -51,7 +52,7 @@ from coserve.router.policy import (
     Pin,
     PinTable,
     choose_decoder,
-    choose_for_request,
+    choose_prefill_site,
 )
 from coserve.router.upstream import Unavailable, Upstream
 
@@ -76,6 +77,8 @@ class Placement:
         self.pins = pins
         self.metrics = metrics
         self.clock = clock
+        # the tightest TPOT objective of any class: a local prefill must keep every stream within it
+        self._tightest_tpot_s = min(config.classes.get(name).tpot_slo_s for name in config.classes.names)
 
     async def route(
         self, endpoint: str, body: dict[str, Any], conversation: str, cls: str, slo_s: float, arrived: float,
@@ -107,16 +110,17 @@ class Placement:
                     return error_response(
                         503, "no decoder can take a new conversation now (all full or down); retry shortly"
                     )
-                body = await self._prefill(path, body, slo_s, count_input=new)
+                body, computes = await self._prefill(path, body, slo_s, decoder, count_input=new)
                 pin = self.pins.pin(conversation, decoder.url, now)
             else:
                 self.metrics.turns.inc()
+                computes = 0  # its earlier turns' KV is there: what it appends is not counted
             assert pin is not None  # noqa: S101 - set on both branches above (for the type checker)
             pin.turns += 1
             decoder.admitted_tokens += estimate_tokens(body)
             try:
                 return await self.upstream.forward(
-                    decoder, path, body, cls, slo_s, arrived, pin.first_arrival_s, conversation
+                    decoder, path, body, cls, slo_s, arrived, pin.first_arrival_s, conversation, computes
                 )
             except Unavailable as failure:
                 tried.add(decoder.url)
@@ -132,9 +136,10 @@ class Placement:
             )
             if decoder is None:
                 break
-            decoder.admitted_tokens += estimate_tokens(body)
+            tokens = estimate_tokens(body)
+            decoder.admitted_tokens += tokens
             try:
-                return await self.upstream.forward(decoder, path, body, cls, slo_s, arrived, arrived)
+                return await self.upstream.forward(decoder, path, body, cls, slo_s, arrived, arrived, None, tokens)
             except Unavailable as failure:
                 tried.add(decoder.url)
                 self.forward_failed(decoder, failure)
@@ -156,16 +161,26 @@ class Placement:
         else:
             logger.warning("decoder %s failed (%s): retrying the request elsewhere", decoder.url, failure)
 
-    async def _prefill(self, path: str, body: dict[str, Any], slo_s: float, count_input: bool = True) -> dict[str, Any]:
-        """Turn 1 on a prefiller: its KV goes to the decoder (handoff); on failure the decoder computes it.
-        Either way a new conversation's L_in is observed (the prefiller's own count when it answered)."""
+    async def _prefill(
+        self, path: str, body: dict[str, Any], slo_s: float, decoder: EngineLoad, count_input: bool = True
+    ) -> tuple[dict[str, Any], int]:
+        """Turn 1 where it starts soonest (``choose_prefill_site``): on a prefiller, whose KV then goes to
+        ``decoder`` (handoff), or on ``decoder`` itself; a failed prefill leaves it to the decoder too. Returns
+        the body to forward and the prompt tokens the decoder computes. Either way a new conversation's L_in
+        is observed (the prefiller's own count when it answered)."""
         tokens = estimate_tokens(body)
-        prefillers = list(self.engines.prefillers.values())
-        prefiller = choose_for_request(prefillers, tokens, slo_s, self.config.prefill_latency)
+        config = self.config
+        site = choose_prefill_site(
+            list(self.engines.prefillers.values()), decoder, tokens, slo_s, config.prefill_latency,
+            transfer_s_per_token=config.kv_transfer_s_per_token, tpot_slo_s=self._tightest_tpot_s,
+            mean_prompt_tokens=self._mean_prompt(), local=config.prefill_site == "fastest",
+        )  # fmt: skip
+        prefiller = site.prefiller
+        self.metrics.prefill_site.labels("decoder" if prefiller is None else "prefiller", site.reason).inc()
         if prefiller is None:
             if count_input:
                 self.metrics.input_tokens.observe(tokens)
-            return body
+            return body, tokens
         answer = await self.upstream.prefill(prefiller, path, body, tokens)
         usage = answer.get("usage")
         counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
@@ -175,7 +190,13 @@ class Placement:
         if answer:
             self.metrics.prefill_tokens.labels(prefiller.url).inc(tokens)
         params = answer.get("kv_transfer_params")
-        return {**body, "kv_transfer_params": params} if params else body
+        return ({**body, "kv_transfer_params": params}, 0) if params else (body, 0 if answer else tokens)
+
+    def _mean_prompt(self) -> float | None:
+        """The mean prompt the router sent to any engine (for engines it sent nothing yet)."""
+        engines = [*self.engines.prefillers.values(), *self.engines.decoders.values()]
+        sent = sum(e.sent_requests for e in engines)
+        return sum(e.sent_prompt_tokens for e in engines) / sent if sent else None
 
     # -- pins other replicas made ------------------------------------------------------------------
 

@@ -48,12 +48,18 @@ Rules:
 - The estimated first token counts all the work an engine has left before it
   (``first_token_s``), from the router's own ledger of
   what it sent there (``EngineLoad.sent`` / ``progressed`` / ``answered``):
-  the prompt tokens not yet prefilled (this one's included, and never fewer
-  than the polled ``waiting`` requests at this prompt's size, which other
-  router replicas may have sent), computed in steps of at most ``step_tokens``,
+  the prompt tokens not yet prefilled (this one's included, and the polled
+  ``waiting`` requests beyond the ledger's, which other router replicas may
+  have sent, at the mean prompt sent there), computed in steps of at most ``step_tokens``,
   each step costing the latency curve's constant, and the running requests'
   decode tokens, one per step per request for as many steps as the prefill
   takes and as each has tokens left, at the curve's cost per token.
+- Turn 1 prefills where its first token comes soonest (``choose_prefill_site``):
+  on a prefiller, whose KV then moves to the decoder once, or on the decoder
+  that will hold the conversation, which computes it itself, as an aggregated
+  engine under session affinity would. A local prefill is allowed only while
+  the decoder's steps with a prefill chunk in them keep its streams within
+  their TPOT objective. Later turns stay on the pinned decoder.
 - Offline batch lines go where the capacity is (``place_offline``): straight to
   the decoder with the lowest KV occupancy among those below ``spare`` (it
   prefills and decodes them), since decoders are the over-provisioned role and
@@ -70,6 +76,7 @@ import hashlib
 import heapq
 import itertools
 import json
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -80,6 +87,7 @@ from coserve.scheduling.requests import ClassRegistry, RequestClass
 __all__ = [
     "CONVERSATION_ID_HEADER",
     "MAX_CONVERSATION_ID_BYTES",
+    "PREFILL_REASONS",
     "PROMPT_PREFIX_CHARS",
     "PROMPT_PREFIX_TOKENS",
     "STEP_TOKENS",
@@ -87,13 +95,16 @@ __all__ = [
     "InvalidConversationId",
     "OfflinePlacement",
     "PinTable",
+    "PrefillSite",
     "canonical_conversation_id",
     "choose_decoder",
     "choose_for_request",
     "choose_gain_oriented",
+    "choose_prefill_site",
     "conversation_id",
     "explicit_conversation_id",
     "first_token_s",
+    "local_prefill_step_s",
     "place_offline",
     "prefill_deadlines",
     "resolve_class",
@@ -229,6 +240,9 @@ class EngineLoad:
     prefill_left_squares: int = 0  # the sum of the squares of the prompts not yet prefilled (the curve's c term)
     decode_left_tokens: int = 0  # of the requests past their first token
     decoding: int = 0  # requests past their first token with tokens still to come
+    prefill_pending: int = 0  # requests in the ledger with no first token yet
+    sent_prompt_tokens: int = 0  # every prompt the router ever sent here, summed (their mean: ``mean_prompt``)
+    sent_requests: int = 0
 
     def sent(self, request_id: str, prompt_tokens: int, output_tokens: int) -> None:
         """The router sends ``request_id`` here (called as it forwards it): ``prompt_tokens`` to prefill,
@@ -237,6 +251,9 @@ class EngineLoad:
         self.in_flight[request_id] = [prompt_tokens, output_tokens, -1]  # -1: no token seen yet
         self.prefill_left_tokens += prompt_tokens
         self.prefill_left_squares += prompt_tokens * prompt_tokens
+        self.prefill_pending += 1
+        self.sent_prompt_tokens += prompt_tokens
+        self.sent_requests += 1
 
     def progressed(self, request_id: str, tokens_seen: int) -> None:
         """``tokens_seen`` output tokens of ``request_id`` have come back so far (as the relay counts them):
@@ -248,6 +265,7 @@ class EngineLoad:
         if old_left < 0:  # its first token: the prefill is done
             self.prefill_left_tokens -= prompt
             self.prefill_left_squares -= prompt * prompt
+            self.prefill_pending -= 1
             entry[0] = old_left = 0
         left = max(output - tokens_seen, 0)
         self.decode_left_tokens += left - old_left
@@ -262,9 +280,14 @@ class EngineLoad:
         prompt, _, left = entry
         self.prefill_left_tokens -= prompt
         self.prefill_left_squares -= prompt * prompt
+        self.prefill_pending -= left < 0
         if left > 0:
             self.decode_left_tokens -= left
             self.decoding -= 1
+
+    def mean_prompt(self) -> float | None:
+        """The mean prompt the router sent here, over every request it ever sent; ``None``: none yet."""
+        return self.sent_prompt_tokens / self.sent_requests if self.sent_requests else None
 
     def occupancy(self) -> float:
         extra = self.admitted_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
@@ -336,17 +359,26 @@ STEP_TOKENS = 2048
 
 
 def first_token_s(
-    engine: EngineLoad, prompt_tokens: int, latency: tuple[float, float, float], step_tokens: int = STEP_TOKENS
-) -> float:
+    engine: EngineLoad, prompt_tokens: int, latency: tuple[float, float, float], step_tokens: int = STEP_TOKENS,
+    mean_prompt_tokens: float | None = None,
+) -> float:  # fmt: skip
     """When a request of ``prompt_tokens`` sent to ``engine`` now would get its first token, in seconds from now
     (module rules): the prefill left there and this prompt, in steps of ``step_tokens``, with the running
     requests' decode tokens in those steps; ``latency`` is the engine's prefill curve (constant s, s per token,
-    s per token squared)."""
+    s per token squared).
+
+    The queue ahead is the ledger's own prompts; the engine's polled ``waiting`` beyond the ledger's requests
+    with no first token yet (another replica's, or sent before a restart) count at the mean prompt the router
+    sent there (``EngineLoad.mean_prompt``), else at ``mean_prompt_tokens`` (the caller's mean over the pool),
+    else as nothing: never at this request's own length, which is no estimate of theirs."""
     constant, linear, quadratic = latency
-    queued = max(engine.prefill_left_tokens, engine.waiting * prompt_tokens)
-    squares = max(engine.prefill_left_squares, engine.waiting * prompt_tokens * prompt_tokens)
+    unknown = max(engine.waiting - engine.prefill_pending, 0)
+    own_mean = engine.mean_prompt()
+    mean = own_mean if own_mean is not None else (mean_prompt_tokens or 0.0)
+    queued = engine.prefill_left_tokens + unknown * mean
+    squares = engine.prefill_left_squares + unknown * mean * mean
     prefill = queued + prompt_tokens
-    steps = max(1, -(-prefill // step_tokens))
+    steps = max(1, math.ceil(prefill / step_tokens))
     decode = min(engine.decode_left_tokens, engine.decoding * steps)
     return constant * steps + linear * (prefill + decode) + quadratic * (squares + prompt_tokens * prompt_tokens)
 
@@ -377,6 +409,73 @@ def choose_for_request(
     return choose_gain_oriented(
         candidates, {url: seconds <= ttft_slo_s for url, seconds in first.items()}, first_token=first
     )
+
+
+# why turn 1 prefills where it does (the router's ``coserve_router_prefill_site_total`` label)
+PREFILL_REASONS = ("sooner_on_prefiller", "sooner_on_decoder", "decoder_stall_over_tpot", "no_prefiller",
+                   "no_curve", "prefiller_only")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PrefillSite:
+    """Where turn 1 prefills: on ``prefiller`` (its KV then moves to the decoder once), or, when it is ``None``,
+    on the decoder that will hold the conversation; ``reason`` is one of ``PREFILL_REASONS``; ``remote_s`` and
+    ``local_s`` the predicted first-token times (None where not predicted)."""
+
+    prefiller: EngineLoad | None
+    reason: str
+    remote_s: float | None = None
+    local_s: float | None = None
+
+
+def local_prefill_step_s(
+    decoder: EngineLoad, prompt_tokens: int, latency: tuple[float, float, float], step_tokens: int = STEP_TOKENS
+) -> float:
+    """How long each of ``decoder``'s steps lasts while it prefills ``prompt_tokens`` itself: a chunk of at most
+    ``step_tokens`` beside one token for each stream it decodes. Each stream's time between tokens, meanwhile."""
+    constant, linear, quadratic = latency
+    chunk = min(prompt_tokens, step_tokens)
+    return constant + linear * (chunk + decoder.decoding) + quadratic * chunk * chunk
+
+
+def choose_prefill_site(
+    prefillers: Sequence[EngineLoad], decoder: EngineLoad, prompt_tokens: int, ttft_slo_s: float,
+    latency: tuple[float, float, float] | None, *, transfer_s_per_token: float = 0.0,
+    tpot_slo_s: float | None = None, step_tokens: int = STEP_TOKENS, mean_prompt_tokens: float | None = None,
+    local: bool = True,
+) -> PrefillSite:  # fmt: skip
+    """Turn 1's prefill site: the candidate (each healthy prefiller, and ``decoder``, which will hold the
+    conversation) with the soonest predicted first token.
+
+    - On a prefiller: its ``first_token_s``, plus the KV's move (``transfer_s_per_token`` per prompt token)
+      and the decoder's first step (the curve's constant).
+    - On the decoder: its ``first_token_s``; allowed only while each of its steps with a prefill chunk in it
+      (``local_prefill_step_s``) stays within ``tpot_slo_s``, the tightest objective of the streams it decodes,
+      unless no prefiller is up.
+
+    ``local=False`` never prefills on the decoder while a prefiller is up (the P/D shape alone). Without a
+    ``latency`` curve there is no prediction: GoRouting's choice among the prefillers (``choose_for_request``),
+    the decoder when none is up. Who calls it: the router for each turn 1 (``Placement._prefill``) and the
+    simulated pool (``coserve.sim.pool``), the same decision from the same ledgers."""
+    up = [p for p in prefillers if p.healthy]
+    if latency is None:
+        chosen = choose_for_request(up, prompt_tokens, ttft_slo_s, None, step_tokens)
+        return PrefillSite(chosen, "no_curve" if chosen is not None else "no_prefiller")
+    local_s = first_token_s(decoder, prompt_tokens, latency, step_tokens, mean_prompt_tokens)
+    if not up:
+        return PrefillSite(None, "no_prefiller", None, local_s)
+    first = {p.url: first_token_s(p, prompt_tokens, latency, step_tokens, mean_prompt_tokens) for p in up}
+    remote = choose_gain_oriented(up, {u: t <= ttft_slo_s for u, t in first.items()}, first_token=first)
+    assert remote is not None  # noqa: S101 - ``up`` is not empty
+    remote_s = first[remote.url] + transfer_s_per_token * prompt_tokens + latency[0]
+    if not local:
+        return PrefillSite(remote, "prefiller_only", remote_s, local_s)
+    stalls = bool(decoder.decoding) and tpot_slo_s is not None
+    if stalls and local_prefill_step_s(decoder, prompt_tokens, latency, step_tokens) > (tpot_slo_s or 0.0):
+        return PrefillSite(remote, "decoder_stall_over_tpot", remote_s, local_s)
+    if local_s < remote_s:
+        return PrefillSite(None, "sooner_on_decoder", remote_s, local_s)
+    return PrefillSite(remote, "sooner_on_prefiller", remote_s, local_s)
 
 
 @dataclass(frozen=True)

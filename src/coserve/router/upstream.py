@@ -19,6 +19,7 @@ chooses an engine: each call is told which one.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -76,6 +77,7 @@ class Upstream:
         # NOTE: aiohttp, not httpx: httpx's pool scans every connection on every request, which capped
         # the router at ~400 requests/s with 64 concurrent clients (profiled); aiohttp's does not.
         self._session: aiohttp.ClientSession | None = None
+        self._ledger_ids = itertools.count()  # names of the decoders' ledger entries
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -154,10 +156,24 @@ class Upstream:
 
     async def forward(
         self, decoder: EngineLoad, path: str, body: dict[str, Any], cls: str, slo_s: float, arrived: float,
-        first_arrival: float, conversation: str | None = None,
+        first_arrival: float, conversation: str | None = None, computes: int = 0,
     ) -> Response:  # fmt: skip
         """``body`` to ``decoder``, its answer passed through (a stream relayed as it comes); ``Unavailable``
-        when the decoder failed before anything was sent to the client."""
+        when the decoder failed before anything was sent to the client. ``computes``: the prompt tokens the
+        decoder computes itself, for its entry in the decoder's ledger (whose streamed events count its
+        tokens), which the turn-1 prefill-site choice reads."""
+        ledger = f"d{next(self._ledger_ids)}"
+        decoder.sent(ledger, computes, output_tokens(body))
+        try:
+            return await self._forward(decoder, ledger, path, body, cls, slo_s, arrived, first_arrival, conversation)
+        except BaseException:
+            decoder.answered(ledger)
+            raise
+
+    async def _forward(
+        self, decoder: EngineLoad, ledger: str, path: str, body: dict[str, Any], cls: str, slo_s: float,
+        arrived: float, first_arrival: float, conversation: str | None,
+    ) -> Response:  # fmt: skip
         headers = {**_JSON, CONVERSATION_HEADER: conversation} if conversation else _JSON
         streaming = bool(body.get("stream"))
         wants_usage = False
@@ -183,22 +199,24 @@ class Upstream:
                 raise Unavailable(str(error) or type(error).__name__) from error
             finally:
                 response.release()
+                decoder.answered(ledger)
             decoder.forward_answered()
             self._observe(cls, slo_s, arrived, first_arrival)
             self._count_usage(content, cls)
             return Response(content, response.status, headers=out_headers)
         decoder.forward_answered()
-        return StreamingResponse(
-            self._relay(response, cls, slo_s, arrived, first_arrival, wants_usage), response.status, headers=out_headers
-        )
+        relay = self._relay(response, cls, slo_s, arrived, first_arrival, wants_usage, decoder, ledger)
+        return StreamingResponse(relay, response.status, headers=out_headers)
 
     async def _relay(
         self, response: aiohttp.ClientResponse, cls: str, slo_s: float, arrived: float, first_arrival: float,
-        pass_usage: bool = True,
+        pass_usage: bool = True, decoder: EngineLoad | None = None, ledger: str = "",
     ) -> AsyncIterator[bytes]:  # fmt: skip
         """The decoder's SSE stream, each event sent on as soon as httpx-sse's parser has it complete (never
         held for the next read); the final usage event is read for the token counts and dropped when the client
-        did not ask for it (the router asked on its behalf)."""
+        did not ask for it (the router asked on its behalf). Each event counts a token in ``decoder``'s ledger
+        entry ``ledger``, which the stream's end closes."""
+        events_seen = 0
         last: float | None = None
         last_id = ""
         body = httpx.Response(
@@ -214,6 +232,9 @@ class Upstream:
                     else:
                         self.metrics.tbt.observe(now - last)
                     last = now
+                    events_seen += 1
+                    if decoder is not None:
+                        decoder.progressed(ledger, events_seen)
                     if self._usage_event(sse.data, cls) and not pass_usage:
                         continue
                     encoded = _encode_event(sse, last_id)
@@ -226,6 +247,8 @@ class Upstream:
             yield f"data: {message}\n\n".encode()
         finally:
             response.release()
+            if decoder is not None:
+                decoder.answered(ledger)
 
     # -- what the answers count --------------------------------------------------------------------
 
@@ -257,6 +280,20 @@ class Upstream:
             return
         self.metrics.prompt_tokens_of(cls).inc(usage.get("prompt_tokens") or 0)
         self.metrics.output_tokens_of(cls).inc(usage.get("completion_tokens") or 0)
+
+
+# what a request without max_tokens is counted to decode in the decoder's ledger (vLLM's own default is the
+# context left, which says nothing of when it ends)
+DEFAULT_OUTPUT_TOKENS = 256
+
+
+def output_tokens(body: Mapping[str, Any]) -> int:
+    """The output tokens ``body`` asks for (``max_completion_tokens``, else ``max_tokens``), else the default."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return DEFAULT_OUTPUT_TOKENS
 
 
 class _UpstreamBytes(httpx.AsyncByteStream):

