@@ -62,9 +62,10 @@ def test_a_prefiller_that_would_miss_the_ttft_slo_is_avoided() -> None:
     # stays off the decoder (prefillSite: prefiller).
     calm, queued = FakeEngine("calm", kv_usage=0.7), FakeEngine("queued", kv_usage=0.6, waiting=100)
     decoder = FakeEngine("d")
+    standard = {"name": "standard", "weight": 1, "ttftSloMs": 10000, "tpotSloMs": 1000}
     config = {"model": MODEL, "prefillers": [calm.url, queued.url], "decoders": [decoder.url], "pollS": 0.05,
               "prefillSite": "prefiller", "prefillLatency": {"constantS": 0.01, "perTokenS": 1e-4},
-              "priorityClasses": [{"name": "standard", "weight": 1, "ttftSloMs": 10000, "tpotSloMs": 1000}]}  # fmt: skip
+              "priorityClasses": [standard]}  # fmt: skip
     router = Served(build_app(parse_router_config(config)))
     try:
         time.sleep(0.1)  # a poll has read the queues
