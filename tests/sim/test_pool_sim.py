@@ -331,3 +331,21 @@ def test_the_twin_prefills_turn_one_where_the_router_would() -> None:
     assert remote.result.records[0].moved and unknown.result.records[0].moved  # type: ignore[attr-defined]
     decoders = {r.decoder for r in local.result.records}  # type: ignore[attr-defined]
     assert len(decoders) == 1  # turn 2 stays where turn 1 was computed
+
+
+def test_affinity_keeps_a_conversation_on_the_engine_its_hash_names_which_computes_what_it_lacks() -> None:
+    """Aggregated engines under session affinity: no prefiller, every turn of a conversation on one engine, which
+    finds the earlier turns in its prefix cache; conversations spread over the engines by their ids' hashes."""
+    convs = [conversation(f"c{i}", i * 0.5, [400, 500, 600], 8, gap=0.2) for i in range(12)]
+    sim = run(convs, prefillers=0, decoders=4, placement="affinity")
+    records = sim.result.records  # type: ignore[attr-defined]
+
+    by_conversation: dict[str, set[str | None]] = {}
+    for r in records:
+        by_conversation.setdefault(r.conversation_id, set()).add(r.decoder)
+    assert all(len(engines) == 1 for engines in by_conversation.values())
+    assert len({next(iter(e)) for e in by_conversation.values()}) > 1  # not every conversation on one engine
+    later = [r for r in records if r.turn > 0]
+    assert all(r.request.cached >= 400 and not r.moved for r in later)  # the earlier turn was in its cache
+    with pytest.raises(ValueError, match="one prefiller unless"):
+        SimConfig(prefillers=0, decoders=1, cost_model=COST, kv_capacity_tokens=1000)

@@ -36,7 +36,10 @@ Placements (``placement``):
 - ``per-turn``: every turn prefills on a prefiller (which may hold the prefix)
   and its whole KV moves to the emptiest decoder (per-turn P/D disaggregation);
 - ``per-request``: every turn goes to the emptiest decoder, which computes what
-  it does not hold (a least-loaded balancer, no P/D).
+  it does not hold (a least-loaded balancer, no P/D);
+- ``affinity``: every turn of a conversation goes to the engine a consistent
+  hash of its id names, which computes what it does not hold (aggregated engines
+  under session affinity, as vLLM's router's ``consistent_hash`` runs them).
 
 ``routing`` picks among the engines a new request enters (prefillers, or the
 engines themselves under ``per-request``): ``goroute`` (GoRouting, the
@@ -54,6 +57,7 @@ answer ended, whichever is later (the closed loop an agent runs).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -93,7 +97,8 @@ __all__ = [
     "TurnRecord",
 ]
 
-PLACEMENTS = ("conversation", "per-turn", "per-request")
+PLACEMENTS = ("conversation", "per-turn", "per-request", "affinity")
+_WITHOUT_PREFILLERS = ("per-request", "affinity")
 ROUTINGS = ("goroute", "round-robin", "least-loaded")
 OFFLINE_ROUTES = ("router", "placement", "decoders")
 
@@ -155,8 +160,10 @@ class SimConfig:
             raise ValueError(f"routing: expected one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.prefill_site not in ("fastest", "prefiller"):
             raise ValueError(f"prefill_site: expected fastest or prefiller, got {self.prefill_site!r}")
-        if self.decoders < 1 or (self.placement != "per-request" and self.prefillers < 1):
-            raise ValueError("a pool needs at least one decoder, and one prefiller unless placement is per-request")
+        if self.decoders < 1 or (self.placement not in _WITHOUT_PREFILLERS and self.prefillers < 1):
+            raise ValueError(
+                "a pool needs at least one decoder, and one prefiller unless placement is per-request or affinity"
+            )
 
 
 @dataclass
@@ -352,7 +359,7 @@ class PoolSim:
         self.scaler = scaler
         offline_rank = config.offline.cls.rank if config.offline else None
         self.policy = SlideBatching(config.cost_model, config.slide, offline_rank=offline_rank)
-        self.uses_prefillers = config.placement != "per-request"
+        self.uses_prefillers = config.placement not in _WITHOUT_PREFILLERS
         self.prefillers: list[SimEngine] = []  # asked for (starting or serving), not draining
         self.decoders: list[SimEngine] = []
         self.draining: list[SimEngine] = []
@@ -637,8 +644,12 @@ class PoolSim:
     def _place(self, record: TurnRecord, first: bool) -> None:
         request, now = record.request, self.env.now
         placement = self.config.placement
-        if placement == "per-request":
-            engine = self._route(self._ready(self.decoders), request)
+        if placement in _WITHOUT_PREFILLERS:
+            ready = self._ready(self.decoders)
+            if placement == "affinity":
+                engine = self._by_affinity(record.conversation_id, ready)
+            else:
+                engine = self._route(ready, request)
             if engine is None:
                 self._pending.append(record)
             else:
@@ -678,6 +689,14 @@ class PoolSim:
         if config.placement == "conversation":
             self.pins.pin(record.conversation_id, decoder.name, self.env.now)
         self._to_decoder(record, decoder)
+
+    @staticmethod
+    def _by_affinity(conversation_id: str, engines: list[SimEngine]) -> SimEngine | None:
+        """The engine a consistent hash of the conversation names among ``engines`` (rendezvous hashing: the
+        highest hash of conversation and engine; a conversation moves only when its engine leaves)."""
+        if not engines:
+            return None
+        return max(engines, key=lambda e: hashlib.blake2b(f"{conversation_id}/{e.name}".encode()).digest())
 
     def _to_prefiller(self, record: TurnRecord, prefiller: SimEngine) -> None:
         request = record.request
