@@ -800,7 +800,7 @@ def plot(doc: dict[str, Any]) -> None:
 
 def plot_profile(axes: Sequence[Any], section: dict[str, Any], profile: str) -> None:
     for axis, name, key in zip(axes, ("agentic", "mooncake"), ("p95_s", "turn_ttft_p95_s"), strict=True):
-        for placement, marker in zip(PLACEMENTS, "os^", strict=True):
+        for placement, marker in zip(PLACEMENTS, "os^d", strict=True):
             for error, style in zip(W_ERRORS, ("-", "--", ":"), strict=True):
                 rows = [r for r in section["grid"] if r["workload"] == name and r["w_error"] == error]
                 values = [r["arms"][placement][key] for r in rows]

@@ -30,6 +30,8 @@ def load(url: str, queued: int = 0, decoding: int = 0, healthy: bool = True) -> 
         # 4 streams: each step with a 2,048-token chunk lasts 0.01 + 1e-4 x 2,052 = 0.215 s per token
         (20_000, 0, 4, 0.3, "decoder", "sooner_on_decoder"),
         (20_000, 0, 4, 0.2, "p", "decoder_stall_over_tpot"),
+        # 4 streams lose 0.4 s each (1.6 s) against 2.1 s gained; 8 lose 3.2 s together: the prefiller
+        (20_000, 0, 8, 0.3, "p", "streams_lose_more"),
     ],
 )
 def test_turn_one_prefills_where_its_first_token_comes_soonest(

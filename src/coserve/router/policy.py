@@ -59,7 +59,8 @@ Rules:
   that will hold the conversation, which computes it itself, as an aggregated
   engine under session affinity would. A local prefill is allowed only while
   the decoder's steps with a prefill chunk in them keep its streams within
-  their TPOT objective. Later turns stay on the pinned decoder.
+  their TPOT objective, and while the request gains more than the decoder's
+  streams lose together. Later turns stay on the pinned decoder.
 - Offline batch lines go where the capacity is (``place_offline``): straight to
   the decoder with the lowest KV occupancy among those below ``spare`` (it
   prefills and decodes them), since decoders are the over-provisioned role and
@@ -412,8 +413,8 @@ def choose_for_request(
 
 
 # why turn 1 prefills where it does (the router's ``coserve_router_prefill_site_total`` label)
-PREFILL_REASONS = ("sooner_on_prefiller", "sooner_on_decoder", "decoder_stall_over_tpot", "no_prefiller",
-                   "no_curve", "prefiller_only")  # fmt: skip
+PREFILL_REASONS = ("sooner_on_prefiller", "sooner_on_decoder", "decoder_stall_over_tpot", "streams_lose_more",
+                   "no_prefiller", "no_curve", "prefiller_only")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -451,7 +452,8 @@ def choose_prefill_site(
       and the decoder's first step (the curve's constant).
     - On the decoder: its ``first_token_s``; allowed only while each of its steps with a prefill chunk in it
       (``local_prefill_step_s``) stays within ``tpot_slo_s``, the tightest objective of the streams it decodes,
-      unless no prefiller is up.
+      and while what this request gains over the prefiller exceeds what the streams lose together (each waits
+      the prefill's compute, the curve without its per-step constant), unless no prefiller is up.
 
     ``local=False`` never prefills on the decoder while a prefiller is up (the P/D shape alone). Without a
     ``latency`` curve there is no prediction: GoRouting's choice among the prefillers (``choose_for_request``),
@@ -473,6 +475,12 @@ def choose_prefill_site(
     stalls = bool(decoder.decoding) and tpot_slo_s is not None
     if stalls and local_prefill_step_s(decoder, prompt_tokens, latency, step_tokens) > (tpot_slo_s or 0.0):
         return PrefillSite(remote, "decoder_stall_over_tpot", remote_s, local_s)
+    # NOTE: each stream the decoder runs waits, over the prefill's steps, for all of its tokens: what this
+    # request would gain must exceed what they lose together (the twin's operating point lost TTFET otherwise).
+    _, linear, quadratic = latency
+    streams_lose = decoder.decoding * (linear * prompt_tokens + quadratic * prompt_tokens * prompt_tokens)
+    if local_s < remote_s and remote_s - local_s <= streams_lose:
+        return PrefillSite(remote, "streams_lose_more", remote_s, local_s)
     if local_s < remote_s:
         return PrefillSite(None, "sooner_on_decoder", remote_s, local_s)
     return PrefillSite(remote, "sooner_on_prefiller", remote_s, local_s)
