@@ -278,6 +278,8 @@ def placements_at(
     for placement in PLACEMENTS:
         if placement in ("per-request", "affinity"):  # the same GPUs, every one serving whole requests
             config = setting.config(0, prefillers + decoders, placement=placement)
+        elif placement == "per-turn":  # the paper's baseline: every turn on a prefiller, its whole KV moved
+            config = setting.config(prefillers, decoders, placement=placement, prefill_site="prefiller")
         else:
             config = setting.config(prefillers, decoders, placement=placement)
         result = run(config, conversations, top)
