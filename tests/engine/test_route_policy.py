@@ -213,3 +213,44 @@ def test_an_untrusted_websocket_is_closed() -> None:
     asyncio.run(validator({"type": "websocket", "path": "/v1/realtime", "headers": []}, receive, send))
     assert sent == [{"type": "websocket.close", "code": 1008, "reason": "the pool's router token is required"}]
     assert not recorder.seen
+
+
+WELL_FORMED = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4],
+               "remote_engine_id": "p0", "remote_request_id": "r0", "remote_host": "10.0.0.7", "remote_port": 5600,
+               "tp_size": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"vllm_xargs": {"kv_transfer_params": "boom"}}, "vllm_xargs.kv_transfer_params"),
+        ("/v1/completions", {"vllm_xargs": {"ec_transfer_params": [1, 2]}}, "vllm_xargs.ec_transfer_params"),
+        ("/v1/chat/completions", {"kv_transfer_params": "boom"}, "kv_transfer_params"),
+        ("/v1/completions", {"kv_transfer_params": [1]}, "kv_transfer_params"),
+        ("/v1/completions", {"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
+        ("/v1/completions", {"kv_transfer_params": {**WELL_FORMED, "remote_port": "80"}},
+         "kv_transfer_params.remote_port"),
+        ("/v1/completions", {"kv_transfer_params": {**WELL_FORMED, "remote_block_ids": "0"}},
+         "kv_transfer_params.remote_block_ids"),
+        ("/v1/completions", {"kv_transfer_params": {"do_remote_decode": "yes"}}, "kv_transfer_params.do_remote_decode"),
+        ("/inference/v1/generate", {"sampling_params": {"extra_args": {"kv_transfer_params": "boom"}}},
+         "sampling_params.extra_args.kv_transfer_params"),
+    ],
+)  # fmt: skip
+def test_a_malformed_engine_field_is_a_400_naming_it_even_from_the_router(
+    path: str, body: dict[str, Any], param: str
+) -> None:
+    """Such a value would reach NixlConnector's scheduler side and kill the engine core (``params.get`` on a
+    string, ``params["remote_host"]`` on a dict without it): answered here, before vLLM parses the request."""
+    for token in (TOKEN, None):
+        status, answer, recorder = call("POST", path, {"model": "m", "prompt": [1], **body}, token=token)
+        assert status == 400 and not recorder.seen, (token, answer)
+        assert answer["error"]["param"] == param and answer["error"]["code"] == 400
+
+
+def test_well_formed_transfer_parameters_from_the_router_pass_untouched() -> None:
+    body = {"model": "m", "prompt": [1], "kv_transfer_params": WELL_FORMED, "vllm_xargs": {"coserve_class": "offline"}}
+    status, _, recorder = call("POST", "/v1/completions", body, token=TOKEN)
+    assert status == 200 and recorder.seen == [("/v1/completions", body)]
+    decode = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+    assert call("POST", "/v1/completions", decode, token=TOKEN)[0] == 200

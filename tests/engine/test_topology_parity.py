@@ -154,3 +154,23 @@ def test_the_decoder_loads_turn_one_and_computes_only_what_each_turn_appends(poo
     # turn 2 finds turn 1 in the decoder's own cache: it computes its appended tokens and the answer's, plus
     # at most the partly filled block they start in
     assert computed <= len(appended) + 8 + BLOCK, computed
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"vllm_xargs": {"coserve_class": "standard", "kv_transfer_params": "boom"}},
+     {"kv_transfer_params": "boom"},
+     {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.1"}}],
+)  # fmt: skip
+def test_a_malformed_transfer_field_is_a_400_and_the_decoder_lives_on(
+    pool: dict[str, Any], fields: dict[str, Any]
+) -> None:
+    """Sent as the router would (with its token), straight to the decoder that runs NixlConnector: without the
+    engine's check, each of these reaches NixlConnector's scheduler side in the engine core."""
+    decoder = pool["decoder"]
+    body = {"model": pool["model"], "prompt": [17] * 40, "max_tokens": 2, **fields}
+    headers = {"X-Coserve-Router-Token": decoder.token}
+    bad = httpx.post(f"{decoder.base}/v1/completions", json=body, headers=headers, timeout=60)
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"].endswith("kv_transfer_params")
+    assert local_answer(decoder, [18] * 40)  # the engine core still serves

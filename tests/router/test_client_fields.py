@@ -26,6 +26,7 @@ from scripted_engine import ScriptedEngine
 
 EVIL = {"remote_host": "169.254.169.254", "remote_port": 80, "remote_engine_id": "evil", "remote_block_ids": [0]}
 PREFILLED = {"remote_host": "10.0.0.7", "remote_port": 5600, "remote_engine_id": "p0", "remote_block_ids": [3, 4],
+             "remote_request_id": "p0-r1",
              "do_remote_prefill": True}  # fmt: skip
 CLIENT_XARGS = {"coserve_from_router": True, "coserve_board": "board-x", "COSERVE_CLASS_OVERRIDE": "interactive",
                 "repetition_window": 4}  # fmt: skip
@@ -106,6 +107,30 @@ def test_without_transfer_parameters_configured_a_prefill_carries_none() -> None
         router.stop()
         prefiller.stop()
         decoder.stop()
+
+
+@pytest.mark.parametrize(
+    "nested",
+    [{"vllm_xargs": {**CLIENT_XARGS, "kv_transfer_params": "boom", "ec_transfer_params": [1]}},
+     {"vllm_xargs": {**CLIENT_XARGS, "kv_transfer_params": ["169.254.169.254", 80]}},
+     {"vllm_xargs": CLIENT_XARGS, "extra_body": {"kv_transfer_params": EVIL, "top_k": 3}}],
+)  # fmt: skip
+def test_nested_engine_fields_never_reach_an_engine(pool: dict[str, Any], nested: dict[str, Any]) -> None:
+    """vLLM copies ``vllm_xargs`` into the request's extra args, where the engine core reads its transfer
+    parameters: a string there would reach NixlConnector and kill the decoder's engine core."""
+    prefiller, decoder = pool["prefiller"], pool["decoder"]
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **nested}
+    headers = {"x-conversation-id": "nested"}
+    for _ in range(2):  # turn 1 through the prefiller, turn 2 straight to the pinned decoder
+        assert post(pool["router"], "/v1/completions", body, headers=headers).status_code == 200
+    status, _ = run_offline(pool["config"], "completions", {**body, "conversation_id": "nested-batch"})
+    assert status == 200
+    for engine in (prefiller, decoder):
+        for request in engine.requests:
+            for inner in (request.get("vllm_xargs") or {}, request.get("extra_body") or {}):
+                assert "kv_transfer_params" not in inner and "ec_transfer_params" not in inner, request
+    assert decoder.requests[-1]["vllm_xargs"]["repetition_window"] == 4
+    assert_no_client_fields(decoder)
 
 
 def run_offline(config: RouterConfig, endpoint: str, body: dict[str, Any]) -> tuple[int, bytes]:

@@ -54,6 +54,7 @@ from typing import Any
 
 from coserve.engine.conversations import ConversationLog
 from coserve.engine.safepoint import SafepointBoard, board_name
+from coserve.kv.transfer_params import ENGINE_INTERNAL_FIELDS, transfer_params_problem
 from coserve.scheduling import InvalidRequestClass, RunningStep, SchedRequest, should_preempt
 from coserve.scheduling.config import CONFIG_ENV, EngineSchedulingConfig, load_engine_config
 from coserve.scheduling.requests import ClassRegistry
@@ -115,9 +116,6 @@ ROUTE_POLICY: dict[tuple[str, str], str] = {
     )},
     ("POST", "/inference/v1/generate"): GENERATE,
 }  # fmt: skip
-# Fields only the router (or the engines' own P/D protocol through it) may set: with NixlConnector the
-# transfer parameters name the host, port and blocks a decoder pulls KV from.
-ENGINE_INTERNAL_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 _SLO_KEYS = ("ttft_slo_ms", "tpot_slo_ms")
 
 
@@ -183,6 +181,9 @@ def check_request(body: Any, classes: ClassRegistry, kind: str = OPENAI) -> Inva
     """
     if not isinstance(body, dict):
         return None  # not ours to judge: vLLM answers malformed JSON itself
+    malformed = transfer_params_problem(body, generate=kind == GENERATE)
+    if malformed is not None:  # even from the router: the engine core must never see it
+        return InvalidRequestClass(*malformed)
     priority = body.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         return InvalidRequestClass("priority", f"must be an integer, got {priority!r}")

@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
+from coserve.kv.transfer_params import HANDOFF_KEY
+
 __all__ = [
     "ASK_REMOTE_DECODE",
     "Handoff",
@@ -67,4 +69,4 @@ def has_remote_prefill(params: object) -> bool:
 def shm_prefill_answer() -> dict[str, Any]:
     """What a prefiller with the shm handoff answers a remote-decode request with (vLLM returns it to the
     router, which passes it to the decoder): the decoder finds the blocks by their content hashes."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "coserve_handoff": Handoff.SHM.value}
+    return {"do_remote_prefill": True, "do_remote_decode": False, HANDOFF_KEY: Handoff.SHM.value}

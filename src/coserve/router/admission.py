@@ -8,8 +8,9 @@ sends a request upstream; every refusal is an OpenAI error body (``error_respons
 In the order ``admit`` applies them:
 
 1. the body is read, at most ``maxBodyBytes`` (413), and must be a JSON object (400);
-2. it loses every engine-internal field a client set (``ENGINE_INTERNAL_FIELDS``: with vLLM's
-   NixlConnector they name the host, port and blocks a decoder pulls KV from) before anything else reads it:
+2. it loses every engine-internal field a client set, at the top level, in ``vllm_xargs`` or in a literal
+   ``extra_body`` (``coserve.kv.transfer_params``: with vLLM's NixlConnector they name the host, port and
+   blocks a decoder pulls KV from) before anything else reads it:
    the only transfer parameters an engine sees are the router's own (the prefill's ``do_remote_decode``) or
    the prefiller's answer's;
 3. it is checked (``check``: the model, 404 when it is not this pool's; the messages or prompt; ``stream``,
@@ -31,15 +32,13 @@ from typing import Any, Protocol
 
 from starlette.responses import JSONResponse, Response
 
+from coserve.kv.transfer_params import strip_engine_fields
 from coserve.router import fastjson
 from coserve.router.config import RouterConfig
 from coserve.router.policy import InvalidConversationId, conversation_id
 from coserve.router.policy import resolve_class as class_for
 from coserve.scheduling.requests import InvalidRequestClass, RequestClass
 
-# Fields only the router creates (or copies from a prefiller's answer): with vLLM's NixlConnector the transfer
-# parameters name the host, port, engine and blocks a decoder pulls KV from (from a client: an SSRF).
-ENGINE_INTERNAL_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 _SLO_KEYS = ("ttft_slo_ms", "tpot_slo_ms")
 
 
@@ -89,9 +88,10 @@ async def read_json(request: RequestBody, limit: int) -> tuple[dict[str, Any] | 
 
 
 def drop_engine_fields(body: dict[str, Any]) -> None:
-    """Remove what only the router may set (``ENGINE_INTERNAL_FIELDS``) from a client's request."""
-    for name in ENGINE_INTERNAL_FIELDS:
-        body.pop(name, None)
+    """Remove what only the router may set from a client's request, wherever vLLM reads it
+    (``coserve.kv.transfer_params``): with NixlConnector the transfer parameters name the host, port, engine
+    and blocks a decoder pulls KV from (from a client: an SSRF, or a malformed value that kills the engine)."""
+    strip_engine_fields(body)
 
 
 def client_xargs(xargs: Mapping[str, Any]) -> dict[str, Any]:
