@@ -4,7 +4,8 @@ The real ``Autoscaler`` evaluates one pool every ``evaluationIntervalS`` (30 s) 
 simulated hour, after a warm-up of one stabilization window. Prometheus is an ``httpx.MockTransport``
 behind the autoscaler's own HTTP client, so the real query code parses its answers: either up, with steady
 values, or down, each query refused after a delay that rotates from one evaluation to the next (as on a
-real network, where which query fails first is a matter of timing). The API server is a fake that applies
+real network, where which query fails first is a matter of timing); with jitter, the answers move by
+±0.1 % and an unreachable Prometheus refuses and times out in turn. The API server is a fake that applies
 RFC 7386 merge patches and counts them. Target: at most 6 status writes per hour, up or down.
 """
 
@@ -98,8 +99,9 @@ class FakePrometheus:
     Down, query number ``i`` of evaluation ``k`` fails after ``(i + k) % 8`` ms, so the first to fail rotates.
     """
 
-    def __init__(self, up: bool) -> None:
+    def __init__(self, up: bool, jitter: bool = False) -> None:
         self.up = up
+        self.jitter = jitter  # up: each answer ±0.1 %, by evaluation; down: refused and timed out in turn
         self.answers = {promql: STEADY[name] for name, promql in queries_for(NS, NAME).items()}
         self.order = list(self.answers)
         self.requests = 0
@@ -107,11 +109,15 @@ class FakePrometheus:
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         promql = request.url.params["query"]
         self.requests += 1
+        evaluation = (self.requests - 1) // len(self.order)
         if not self.up:
-            evaluation = (self.requests - 1) // len(self.order)
             await asyncio.sleep(((self.order.index(promql) + evaluation) % len(self.order)) / 1000)
+            if self.jitter and evaluation % 2:
+                raise httpx.ReadTimeout("timed out", request=request)
             raise httpx.ConnectError("connection refused", request=request)
         value = self.answers.get(promql)  # the pins query before a scale-down: no router, no pins
+        if value is not None and self.jitter:
+            value *= 1 + 0.001 * ((evaluation * 7 + self.order.index(promql)) % 3 - 1)
         result = [] if value is None else [{"metric": {}, "value": [0, str(value)]}]
         body = {"status": "success", "data": {"resultType": "vector", "result": result}}
         return httpx.Response(200, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
@@ -120,7 +126,7 @@ class FakePrometheus:
 class World:
     """One pool, its two Deployments, the real autoscaler, a fake clock."""
 
-    def __init__(self, up: bool, *, old_crd: bool = False) -> None:
+    def __init__(self, up: bool, *, old_crd: bool = False, jitter: bool = False) -> None:
         self.now = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
         self.cache = ObjectCache()
         self.cache.put(KIND, pool())
@@ -128,7 +134,7 @@ class World:
         self.cache.put("Deployment", deployment("decoder", 2))
         self.kube = FakeKube(self.cache, old_crd=old_crd)
         self.events: list[PoolEvent] = []
-        self.prometheus = FakePrometheus(up)
+        self.prometheus = FakePrometheus(up, jitter)
         locks: dict[tuple[str, str], asyncio.Lock] = {}
 
         async def read_profile(namespace: str, body: Mapping[str, Any]) -> tuple[None, None]:
@@ -161,10 +167,13 @@ class World:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("jitter", [False, True], ids=["steady", "jitter"])
 @pytest.mark.parametrize("old_crd", [False, True], ids=["crd", "previous-crd"])
 @pytest.mark.parametrize("up", [True, False], ids=["prometheus-up", "prometheus-down"])
-async def test_a_steady_pool_writes_its_status_at_most_six_times_an_hour(up: bool, old_crd: bool) -> None:
-    world = World(up, old_crd=old_crd)
+async def test_a_steady_pool_writes_its_status_at_most_six_times_an_hour(up: bool, old_crd: bool, jitter: bool) -> None:
+    """``jitter``: Prometheus up answers within ±0.1 % of the steady values; down, it refuses and times out in
+    turn (as real answers do): neither is news."""
+    world = World(up, old_crd=old_crd, jitter=jitter)
     try:
         await world.run(2 * WINDOW_S)  # warm-up: the first evaluations write, and may scale
         writes = await world.run(3600)
@@ -245,5 +254,20 @@ async def test_after_a_failover_the_new_leader_scales_down_only_after_a_window_o
             decoders.append((world.cache.get("Deployment", NS, f"{NAME}-decoder") or {})["spec"]["replicas"])
         held = WINDOW_S // INTERVAL_S  # evaluations until one of its own is a full window old
         assert decoders[:held] == [2] * held and decoders[-1] == 1, decoders
+    finally:
+        await world.autoscaler.close()
+
+
+@pytest.mark.asyncio
+async def test_a_signal_that_moves_beyond_the_tolerance_is_written() -> None:
+    world = World(True, jitter=True)
+    try:
+        await world.run(2 * WINDOW_S)
+        rate = next(promql for name, promql in queries_for(NS, NAME).items() if name == "arrivalRate")
+        world.prometheus.answers[rate] = 0.5 * 1.08  # 8 % more conversations: news, though the plan is the same
+        assert await world.run(INTERVAL_S) == 1
+        stored = (world.cache.get(KIND, NS, NAME) or {})["status"]["autoscaling"]["signals"]["arrivalRatePerS"]
+        assert stored == pytest.approx(0.54, rel=0.002)
+        assert await world.run(10 * INTERVAL_S) == 0  # and then quiet again
     finally:
         await world.autoscaler.close()

@@ -25,9 +25,11 @@ never interleave with a reconcile's):
 Status is written only when it changes: the new ``status.autoscaling`` and
 AutoscalingActive condition are compared with the stored ones, ignoring
 ``lastEvaluationTime`` (so it is the time of the last evaluation that changed
-something, not a heartbeat) and an unchanged condition's
-``lastTransitionTime``. A steady pool, with Prometheus up or down, writes
-nothing after its first evaluation.
+something, not a heartbeat), an unchanged condition's ``lastTransitionTime``,
+signals within ``SIGNAL_TOLERANCE`` (5 %) of the stored ones (Prometheus'
+answers jitter), and which network error an unreachable Prometheus gave this
+time (refused or timed out: the same failure). A steady pool, with Prometheus
+up or down, writes nothing after its first evaluation.
 
 The decision memory (the stabilization window's past recommendations, the
 KV guard's count of high evaluations, the last prefiller queue) lives in the
@@ -60,6 +62,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +82,7 @@ from coserve.api.status import (
     DEPRECATED_AUTOSCALING_FIELDS,
     AutoscalingSignals,
     AutoscalingStatus,
+    Condition,
     ConditionStatus,
     ConditionType,
     RoleCounts,
@@ -530,12 +534,7 @@ class Autoscaler:
         leftover = [
             key for key in DEPRECATED_AUTOSCALING_FIELDS if key in stored and stored[key] != _OLD_DEFAULTS.get(key)
         ]
-        timeless = {"last_evaluation_time": None, "history": None, "kv_high_evaluations": None, "prefiller_queue": None}
-        if (
-            conditions == status.conditions
-            and not leftover
-            and (autoscaling.model_copy(update=timeless) == previous.model_copy(update=timeless))
-        ):
+        if not leftover and _unchanged(autoscaling, previous, conditions, status.conditions):
             return  # NOTE: an evaluation that changes nothing but the time writes nothing (a steady pool stays quiet)
         wire: dict[str, Any] = {**autoscaling.to_wire(), **dict.fromkeys(leftover)}
         patch = {"autoscaling": wire, "conditions": [c.to_wire() for c in conditions]}
@@ -547,6 +546,48 @@ class Autoscaler:
                 raise
         if not outcome.active and (was is None or was.status == ConditionStatus.TRUE or was.reason != outcome.reason):
             await self.post_event(namespace, body, PoolEvent("Warning", outcome.reason, outcome.message))
+
+
+# a signal within this fraction of the stored one is the same signal (Prometheus' answers jitter)
+SIGNAL_TOLERANCE = 0.05
+# the part of an unreachable query's message that changes from one failure to the next (refused, timed out)
+_TRANSIENT = re.compile(r" is unreachable, [a-z ]+ \(\w+\)")
+_TIMELESS = {"last_evaluation_time": None, "history": None, "kv_high_evaluations": None, "prefiller_queue": None}
+
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*(?:e[-+]?\d+)?")
+
+
+def _stable(text: str) -> str:
+    """``text`` without what varies between failures of the same kind (which network error it was), and
+    without its numbers: ``_unchanged`` compares the signals and counts they come from on their own."""
+    return _NUMBER.sub("#", _TRANSIENT.sub(" is unreachable", text))
+
+
+def _close(new: float | None, old: float | None) -> bool:
+    if new is None or old is None:
+        return new is old
+    return abs(new - old) <= SIGNAL_TOLERANCE * max(abs(new), abs(old)) + 1e-12
+
+
+def _unchanged(
+    new: AutoscalingStatus, old: AutoscalingStatus, conditions: Sequence[Condition], stored: Sequence[Condition]
+) -> bool:
+    """Whether a status write would say nothing new: the same decision and condition (the same kind of
+    failure, whatever network error it was this time), and each signal within ``SIGNAL_TOLERANCE`` of the
+    stored one. The time of the evaluation is not news."""
+    if len(conditions) != len(stored):
+        return False
+    for a, b in zip(conditions, stored, strict=True):
+        if a.model_copy(update={"message": _stable(a.message)}) != b.model_copy(update={"message": _stable(b.message)}):
+            return False
+    fields = type(new.signals).model_fields
+    if not all(_close(getattr(new.signals, f), getattr(old.signals, f)) for f in fields):
+        return False
+    same = {**_TIMELESS, "signals": None}
+    return new.model_copy(update={**same, "reason": _stable(new.reason)}) == old.model_copy(
+        update={**same, "reason": _stable(old.reason)}
+    )
 
 
 # what the CRD of the version that kept the decision memory in status defaulted those fields to
