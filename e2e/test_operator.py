@@ -2,7 +2,8 @@
 
 The operator runs on this machine (`coserve operator -n NS --lease ...`, with the
 same KUBECONFIG: a client-certificate kubeconfig such as kind's, a token, or an
-exec plugin) unless E2E_OPERATOR_IN_CLUSTER=1 says one is already installed
+exec plugin; or with COSERVE_E2E_OPERATOR_KUBECONFIG's, the chart's ServiceAccount
+say, while the tests act as the user) unless E2E_OPERATOR_IN_CLUSTER=1 says one is already installed
 (`e2e/kind-up.sh --with-operator` installs the helm chart). Engine pods need GPUs
 and a model, so the tests check what the operator owns: the Deployments' replica
 counts, owner references and the pool's status, not pod readiness.
@@ -61,6 +62,21 @@ def get_json(kubectl: Kubectl, namespace: str, kind: str, name: str) -> dict[str
     return json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else None
 
 
+OPERATOR_KUBECONFIG_ENV = "COSERVE_E2E_OPERATOR_KUBECONFIG"
+
+
+def operator_env() -> dict[str, str]:
+    """The operator's environment: this one, with ``COSERVE_E2E_OPERATOR_KUBECONFIG`` as its KUBECONFIG when
+    set. Then the operator runs with that kubeconfig's credentials (the chart's ServiceAccount, say, with only
+    the chart's RBAC) while the tests act as the user who creates and edits pools (the default kubeconfig)."""
+    own = os.environ.get(OPERATOR_KUBECONFIG_ENV)
+    if not own:
+        return dict(os.environ)
+    if not Path(own).is_file():
+        pytest.fail(f"{OPERATOR_KUBECONFIG_ENV}={own}: no such file")
+    return {**os.environ, "KUBECONFIG": own}
+
+
 @pytest.fixture(scope="module")
 def operator(
     kubectl: Kubectl, crd_applied: object, namespace: str, tmp_path_factory: pytest.TempPathFactory
@@ -90,6 +106,7 @@ def operator(
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env=operator_env(),
         )
     try:
         yield
@@ -218,6 +235,25 @@ def test_an_owned_field_edited_by_hand_is_put_back_and_others_fields_are_kept(
     wait_until(restored, "the decoder's image to be put back", 60)
     body = get_json(kubectl, namespace, "deployment", decoder) or {}
     assert body["metadata"]["annotations"]["example.com/owner"] == "someone-else"
+
+
+def test_a_network_policy_opened_by_hand_is_closed_again(
+    kubectl: Kubectl, namespace: str, pool: dict[str, Any]
+) -> None:
+    """Who may reach the engines is the operator's: an ingress rule admitting everyone (``{}``), added by hand,
+    is taken out again; a foreign annotation on the policy is kept."""
+    wait_until(lambda: converged(kubectl, namespace), "the pool to converge", 180)
+    name = f"{POOL}-engines"
+    rendered = (get_json(kubectl, namespace, "networkpolicy", name) or {})["spec"]["ingress"]
+    edit = {"metadata": {"annotations": {"example.com/audited": "yes"}}, "spec": {"ingress": [{}]}}
+    kubectl("patch", "networkpolicy", name, "-n", namespace, "--type", "merge", "-p", json.dumps(edit))
+
+    def closed() -> bool:
+        return (get_json(kubectl, namespace, "networkpolicy", name) or {})["spec"].get("ingress") == rendered
+
+    wait_until(closed, "the engines' NetworkPolicy to be put back", 60)
+    body = get_json(kubectl, namespace, "networkpolicy", name) or {}
+    assert body["metadata"]["annotations"]["example.com/audited"] == "yes"
 
 
 def test_deleting_the_pool_garbage_collects_its_children(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -187,3 +188,14 @@ def test_bad_values_are_refused_with_the_field_named(value: str, complaint: str)
     result = helm("template", "coserve", str(CHART), "--set", value, check=False)
     assert result.returncode != 0
     assert complaint in result.stderr
+
+
+def test_the_install_notes_name_only_files_that_exist() -> None:
+    """What ``helm install`` prints a user to run next: every file it names is in the source, and it sends
+    nobody to a URL (the chart does not know where its user got the source)."""
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    assert "http://" not in notes and "https://" not in notes
+    named = re.findall(r"(?:-f|plan)\s+(\S+\.ya?ml)", notes)
+    assert named, "the notes show how to create a pool"
+    for path in named:
+        assert (ROOT / path).is_file(), path
