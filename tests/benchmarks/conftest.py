@@ -12,11 +12,12 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+GPU_DIR = BENCHMARKS / "gpu"
 
 
-def _script(name: str) -> Iterator[ModuleType]:
+def _script(name: str, folder: Path = BENCHMARKS) -> Iterator[ModuleType]:
     saved = list(sys.path)
-    sys.path.insert(0, str(BENCHMARKS))
+    sys.path.insert(0, str(folder))
     try:
         yield importlib.import_module(name)
     finally:
@@ -79,3 +80,14 @@ def harness_pool() -> Iterator[ModuleType]:
 def harness_peers() -> Iterator[ModuleType]:
     """benchmarks/harness/peers.py: vllm-router and processes started for a run."""
     yield from _script("harness.peers")
+
+
+@pytest.fixture(scope="module")
+def plan_check() -> Iterator[ModuleType]:
+    yield from _script("plan_check")
+
+
+@pytest.fixture(scope="module")
+def torch_check() -> Iterator[ModuleType]:
+    """benchmarks/gpu/torch_check.py imported as a module (it puts ``src/`` and ``benchmarks/`` on sys.path)."""
+    yield from _script("torch_check", GPU_DIR)

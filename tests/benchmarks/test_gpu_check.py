@@ -7,7 +7,6 @@ safepoint board and answers /health), because a real engine needs CUDA for this 
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -41,17 +40,6 @@ def gpu_modules() -> Iterator[SimpleNamespace]:
         import rendered_engine
 
         yield SimpleNamespace(check=gpu_check, engine=rendered_engine)
-    finally:
-        sys.path[:] = saved
-
-
-@pytest.fixture(scope="module")
-def torch_check() -> Iterator[ModuleType]:
-    """benchmarks/gpu/torch_check.py imported as a module (it puts ``src/`` and ``benchmarks/`` on sys.path)."""
-    saved = list(sys.path)
-    sys.path.insert(0, str(GPU_DIR))
-    try:
-        yield importlib.import_module("torch_check")
     finally:
         sys.path[:] = saved
 

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-
-import pytest
 
 from coserve.bench.workload import agentic
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def plan_check() -> Iterator[ModuleType]:
-    saved = list(sys.path)
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("plan_check")
-    finally:
-        sys.path[:] = saved
 
 
 def test_the_numbers_of_a_known_workload(plan_check: ModuleType) -> None:
