@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ pytestmark = pytest.mark.e2e
 
 EXAMPLE = ROOT / "examples" / "pool.yaml"
 RESYNC_S = 5
+LEASE_DURATION_S = 6
 LEASE, IDENTITY = "coserve-e2e-operator", "e2e-operator-a"
 POOL = "e2e-agents"
 CHILDREN = [
@@ -77,51 +81,51 @@ def operator_env() -> dict[str, str]:
     return {**os.environ, "KUBECONFIG": own}
 
 
+@dataclass(frozen=True)
+class Operator:
+    """A ``coserve operator`` process this suite started, and its log."""
+
+    process: subprocess.Popen[str]
+    log: Path
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        if self.process.returncode not in (0, -15):
+            print(self.log.read_text()[-4000:])
+
+
+def start_operator(namespace: str, identity: str, log: Path) -> Operator:
+    """``coserve operator`` on this machine, one replica of the suite's Lease."""
+    coserve = Path(sys.executable).with_name("coserve")
+    command = [str(coserve), "operator", "-n", namespace, "--resync-s", str(RESYNC_S), "--lease", LEASE,
+               "--lease-namespace", namespace, "--identity", identity,
+               "--lease-duration-s", str(LEASE_DURATION_S)]  # fmt: skip
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=operator_env(), text=True)
+    return Operator(process, log)
+
+
 @pytest.fixture(scope="module")
 def operator(
     kubectl: Kubectl, crd_applied: object, namespace: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
+) -> Iterator[Operator | None]:
+    """The acting operator (``None`` when E2E_OPERATOR_IN_CLUSTER=1 says the chart's runs in the cluster)."""
     if os.environ.get("E2E_OPERATOR_IN_CLUSTER") == "1":
-        yield
+        yield None
         return
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    coserve = Path(sys.executable).with_name("coserve")
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [
-                str(coserve),
-                "operator",
-                "-n",
-                namespace,
-                "--resync-s",
-                str(RESYNC_S),
-                "--lease",
-                LEASE,
-                "--lease-namespace",
-                namespace,
-                "--identity",
-                IDENTITY,
-                "--lease-duration-s",
-                "6",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=operator_env(),
-        )
+    started = start_operator(namespace, IDENTITY, tmp_path_factory.mktemp("operator") / "operator.log")
     try:
-        yield
+        yield started
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        if process.returncode not in (0, -15):
-            print(log.read_text()[-4000:])
+        started.stop()
 
 
 @pytest.fixture(scope="module")
-def pool(kubectl: Kubectl, namespace: str, operator: None) -> Iterator[dict[str, Any]]:
+def pool(kubectl: Kubectl, namespace: str, operator: Operator | None) -> Iterator[dict[str, Any]]:
     document = yaml.safe_load(EXAMPLE.read_text())
     document["metadata"] = {"name": POOL, "namespace": namespace}
     kubectl("apply", "-f", "-", stdin=yaml.safe_dump(document))
@@ -256,6 +260,50 @@ def test_a_network_policy_opened_by_hand_is_closed_again(
     assert body["metadata"]["annotations"]["example.com/audited"] == "yes"
 
 
+def lease_holder(kubectl: Kubectl, namespace: str) -> str | None:
+    holder: str | None = ((get_json(kubectl, namespace, "lease", LEASE) or {}).get("spec") or {}).get("holderIdentity")
+    return holder
+
+
+def test_a_leader_paused_past_its_lease_writes_nothing_after_it_resumes(
+    kubectl: Kubectl, namespace: str, pool: dict[str, Any], operator: Operator | None, tmp_path: Path
+) -> None:
+    """SIGSTOP the acting replica past its Lease; a second replica takes over and, as the pool's spec changes,
+    writes the router's Deployment; SIGCONT the first. It stands down, and none of its writes lands: the
+    router's spec keeps the new leader's replicas and generation. (The unit suite holds a request on the wire
+    for the same check, deterministically: ``tests/operator/test_two_operators.py``.)"""
+    if operator is None:
+        pytest.skip("the installed operator runs in a pod, which this suite cannot pause")
+    wait_until(lambda: converged(kubectl, namespace), "the pool to converge", 180)
+    assert lease_holder(kubectl, namespace) == IDENTITY
+    router = f"{POOL}-router"
+    second = start_operator(namespace, "e2e-operator-b", tmp_path / "operator-b.log")
+    try:
+        seen = len(operator.log.read_text(errors="replace"))
+        operator.process.send_signal(signal.SIGSTOP)
+        try:
+            kubectl("patch", "coservepool", POOL, "-n", namespace, "--type", "merge",
+                    "-p", json.dumps({"spec": {"router": {"replicas": 3}}}))  # fmt: skip
+            wait_until(lambda: lease_holder(kubectl, namespace) == "e2e-operator-b", "the second replica to lead", 60)
+            replicas = lambda: (get_json(kubectl, namespace, "deployment", router) or {})["spec"]["replicas"]  # noqa: E731
+            wait_until(lambda: replicas() == 3, "the new leader's 3 routers", 60)
+            generation = (get_json(kubectl, namespace, "deployment", router) or {})["metadata"]["generation"]
+        finally:
+            operator.process.send_signal(signal.SIGCONT)
+        stood_down = re.compile(r"stops leading|lost the lease|not leading")
+        wait_until(lambda: bool(stood_down.search(operator.log.read_text(errors="replace")[seen:])), "a to stand down",
+                   60)  # fmt: skip
+        wait_until(lambda: converged(kubectl, namespace), "the pool to converge under the new leader", 60)
+        after = get_json(kubectl, namespace, "deployment", router) or {}
+        assert (after["spec"]["replicas"], after["metadata"]["generation"]) == (3, generation)
+        assert lease_holder(kubectl, namespace) == "e2e-operator-b"
+    finally:
+        kubectl("patch", "coservepool", POOL, "-n", namespace, "--type", "merge",
+                "-p", json.dumps({"spec": {"router": {"replicas": None}}}), check=False)  # fmt: skip
+        second.stop()  # releases the Lease: the first replica leads again
+    wait_until(lambda: lease_holder(kubectl, namespace) == IDENTITY, "the first replica to lead again", 60)
+
+
 def test_deleting_the_pool_garbage_collects_its_children(
     kubectl: Kubectl, namespace: str, pool: dict[str, Any]
 ) -> None:
@@ -265,7 +313,7 @@ def test_deleting_the_pool_garbage_collects_its_children(
 
 
 def test_an_autoscaled_pool_without_prometheus_holds_its_replicas_and_says_why(
-    kubectl: Kubectl, namespace: str, operator: None
+    kubectl: Kubectl, namespace: str, operator: Operator | None
 ) -> None:
     # The real status subresource validates status.autoscaling against the CRD's schema, which kmock cannot.
     name = "e2e-autoscaled"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -128,6 +129,93 @@ class StoringEmulator(ApiServerEmulator):
             if isinstance(event, dict) and "object" in event:
                 event = {**event, "object": as_stored(event["object"])}
             yield event
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    """One write as the emulator answered it: who sent it (``bearer``), what, and the HTTP status."""
+
+    bearer: str
+    method: str
+    path: str
+    status: int
+
+
+class VersionedEmulator(ApiServerEmulator):
+    """``ApiServerEmulator`` with kube-apiserver's optimistic concurrency, which kmock lacks.
+
+    A test double: no kube-apiserver runs on these machines. What it adds is the API server's documented
+    rule (API conventions, "Concurrency Control and Consistency"), nothing more:
+
+    - every create, patch and delete gives the object a new ``metadata.resourceVersion`` from one counter
+      (etcd's revision), so the watch and every answer carry it;
+    - a patch whose body carries ``metadata.resourceVersion`` is applied only if the object has that version;
+      otherwise 409 with reason ``Conflict`` and the API server's message;
+    - a delete's ``DeleteOptions.preconditions`` (``uid``, ``resourceVersion``) likewise.
+
+    ``hold(bearer, paths)`` makes writes from the client with that bearer token (to paths containing one of
+    ``paths``) wait at the server before they are applied, as a request delayed on the wire, until
+    ``release(bearer)``; ``waiting`` lists them meanwhile. ``writes`` records every write's answer.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.revision = 1000
+        self.writes: list[Write] = []
+        self.waiting: list[Write] = []
+        self._gates: dict[str, tuple[asyncio.Event, tuple[str, ...]]] = {}
+
+    def hold(self, bearer: str, paths: tuple[str, ...] = ("/",)) -> None:
+        self._gates[bearer] = (asyncio.Event(), paths)
+
+    def release(self, bearer: str) -> None:
+        gate, _ = self._gates.pop(bearer)
+        gate.set()
+
+    async def _handle(self, request: Any) -> Any:
+        method = str(request.method).upper().rsplit(".", 1)[-1]
+        if request.resource is None or method not in ("POST", "PATCH", "PUT", "DELETE"):
+            return await super()._handle(request)
+        bearer = next((v for k, v in request.headers.items() if k.lower() == "authorization"), "").removeprefix(
+            "Bearer "
+        )
+        path = str(request.url.path)
+        gate = self._gates.get(bearer)
+        if gate is not None and any(part in path for part in gate[1]):
+            self.waiting.append(Write(bearer, method, path, 0))
+            await gate[0].wait()
+        conflict = self._precondition_failure(request, method)
+        if conflict is not None:
+            response = await self._render_error(kmocklib.KubernetesError(409, "Conflict", conflict))
+        else:
+            if method in ("POST", "PATCH") and isinstance(request.data, dict):
+                self.revision += 1
+                request.data.setdefault("metadata", {})["resourceVersion"] = str(self.revision)
+            response = await super()._handle(request)
+        self.writes.append(Write(bearer, method, path, int(response.status)))
+        return response
+
+    def _precondition_failure(self, request: Any, method: str) -> str | None:
+        if method not in ("PATCH", "DELETE") or request.name is None:
+            return None
+        try:
+            stored = self.objects[request.resource, request.namespace, request.name]
+        except KeyError:
+            return None  # the emulator answers 404 itself
+        if stored.deleted:
+            return None
+        metadata = stored.get("metadata", {})
+        data = request.data if isinstance(request.data, dict) else {}
+        wanted = data.get("preconditions", {}) if method == "DELETE" else {
+            "resourceVersion": (data.get("metadata") or {}).get("resourceVersion")}  # fmt: skip
+        for field, value in wanted.items():
+            if value is not None and value != metadata.get(field):
+                what = f'{request.resource.plural} "{request.name}"'
+                if field == "uid":
+                    return f"Precondition failed: UID in precondition: {value}, UID in object meta: {metadata['uid']}"
+                return (f"Operation cannot be fulfilled on {what}: the object has been modified; please apply your "
+                        "changes to the latest version and try again")  # fmt: skip
+        return None
 
 
 async def eventually(predicate: Callable[[], Any], what: str, timeout_s: float = 15.0) -> Any:

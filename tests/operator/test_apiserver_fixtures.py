@@ -34,7 +34,11 @@ from typing import Any
 import pytest
 
 from conftest import APISERVER_RECORDINGS as FIXTURES
+from coserve.api.resource import KIND
+from coserve.operator.cache import ObjectCache
+from coserve.operator.kube import KubeError
 from coserve.operator.reconcile import ChildKey, Reconciliation, drift, reconcile
+from coserve.operator.reconciler import PoolReconciler
 from coserve.operator.resources import CHILDREN
 from operator_kmock import as_stored, merge_patch
 
@@ -959,3 +963,124 @@ def test_what_admission_webhooks_add_to_a_pod_template_is_tolerated_and_kept(
     for field in ("containers", "initContainers", "volumes"):
         assert sorted(c["name"] for c in after.get(field) or []) == sorted(c["name"] for c in theirs.get(field) or [])
     assert actions(decide_assistant(restored(observed, result))) == []
+
+
+# --- writes fenced by resourceVersion, against the recorded objects --------------------------------------------
+
+
+class RecordedServer:
+    """The API server's side of the reconciler's writes, over the recorded objects (a stand-in: no kube-apiserver
+    runs on these machines). Merge patches apply as ``merge_patch``; each write stores a new resourceVersion; a
+    write whose ``resource_version`` is not the stored one is refused with 409, as the API server's precondition
+    check refuses it. ``sent`` lists every patch as (kind, name, subresource, version it carried, HTTP status)."""
+
+    def __init__(self, objects: dict[tuple[str, str], dict[str, Any]]) -> None:
+        self.objects = copy.deepcopy(objects)
+        self.sent: list[tuple[str, str, str | None, str | None, int]] = []
+        self.revision = 9000
+
+    def bump(self, kind: str, name: str, patch: dict[str, Any]) -> str:
+        """Another writer's change (a user, the new leader): applied with a new resourceVersion."""
+        self.revision += 1
+        stored = merge_patch(self.objects[(kind, name)], patch)
+        stored["metadata"]["resourceVersion"] = str(self.revision)
+        self.objects[(kind, name)] = stored
+        return str(self.revision)
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        found = self.objects.get((kind, name))
+        return copy.deepcopy(found) if found is not None else None
+
+    async def merge_patch(
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: dict[str, Any],
+        subresource: str | None = None,
+        *,
+        resource_version: str | None = None,
+    ) -> dict[str, Any]:
+        stored = self.objects[(kind, name)]
+        if resource_version is not None and resource_version != stored["metadata"]["resourceVersion"]:
+            self.sent.append((kind, name, subresource, resource_version, 409))
+            raise KubeError(409, "Conflict", f"Operation cannot be fulfilled on {name}: the object has been modified")
+        self.sent.append((kind, name, subresource, resource_version, 200))
+        self.bump(kind, name, body)
+        return copy.deepcopy(self.objects[(kind, name)])
+
+
+class QuietReconciler(PoolReconciler):
+    """The operator's reconciler with its Events kept in a list (the Event API is not what these tests are about)."""
+
+    def __init__(self, server: RecordedServer, cache: ObjectCache) -> None:
+        super().__init__(server, cache=cache, image_tag=RECORDED_OPERATOR_TAG, clock=lambda: ASSISTANT_NOW)  # type: ignore[arg-type]
+        self.posted: list[str] = []
+
+    async def _post_event(self, namespace: str, pool: Any, event: Any) -> None:
+        self.posted.append(event.reason)
+
+
+def recorded_world(edit: Callable[[Observed], None] = lambda observed: None) -> dict[tuple[str, str], dict[str, Any]]:
+    """The pool ``assistant`` (fixed, with the status this version writes for it) and its children after this
+    version's first reconcile, each with the resourceVersion the server recorded; ``edit`` changes the children."""
+    children = every_kind()
+    edit(children)
+    pool = assistant()
+    pool["status"] = decide_assistant(children).status
+    return {(KIND, "assistant"): pool, **children}
+
+
+def cached(world: dict[tuple[str, str], dict[str, Any]]) -> ObjectCache:
+    cache = ObjectCache()
+    for (kind, _), body in world.items():
+        cache.put(kind, copy.deepcopy(body))
+    return cache
+
+
+def _hacked_image(observed: Observed) -> None:
+    observed[("Deployment", "assistant-decoder")]["spec"]["template"]["spec"]["containers"][0]["image"] = "x/hacked:1"
+
+
+@pytest.mark.asyncio
+async def test_a_child_patch_carries_the_resource_version_it_was_decided_from() -> None:
+    world = recorded_world(_hacked_image)
+    server = RecordedServer(world)
+    recorded_version = world[("Deployment", "assistant-decoder")]["metadata"]["resourceVersion"]
+    await QuietReconciler(server, cached(world)).reconcile("llm", "assistant")
+    assert server.sent == [("Deployment", "assistant-decoder", None, recorded_version, 200)]
+    decoder = server.objects[("Deployment", "assistant-decoder")]
+    assert decoder["spec"]["template"]["spec"]["containers"][0]["image"] != "x/hacked:1"
+
+
+@pytest.mark.asyncio
+async def test_a_patch_decided_from_a_child_that_changed_since_is_refused_and_decided_again() -> None:
+    """The cache still shows the hand edit, but another writer has put the child back meanwhile: the late patch
+    is refused (409), the reconciler reads the child and, deciding again, finds nothing to do."""
+    world = recorded_world(_hacked_image)
+    server = RecordedServer(world)
+    original = every_kind()[("Deployment", "assistant-decoder")]["spec"]["template"]["spec"]["containers"][0]
+    put_back = {"spec": {"template": {"spec": {"containers": [original]}}}}
+    theirs = server.bump("Deployment", "assistant-decoder", put_back)
+    stale = world[("Deployment", "assistant-decoder")]["metadata"]["resourceVersion"]
+    reconciler = QuietReconciler(server, cached(world))
+    result = await reconciler.reconcile("llm", "assistant")
+    assert result is not None
+    children = [sent for sent in server.sent if sent[0] != KIND]  # the status is written for what is there now
+    assert children == [("Deployment", "assistant-decoder", None, stale, 409)]
+    assert server.objects[("Deployment", "assistant-decoder")]["metadata"]["resourceVersion"] == theirs
+    assert "Patched" not in reconciler.posted
+
+
+@pytest.mark.asyncio
+async def test_a_status_decided_from_a_pool_that_changed_since_is_refused_and_decided_again() -> None:
+    """The pool's spec changed after the cache read it: the status decided from the old spec is refused (409);
+    the reconciler reads the pool and writes the status of what the server holds, with its resourceVersion."""
+    world = recorded_world()
+    world[(KIND, "assistant")]["status"]["conditions"] = []  # a status to write
+    server = RecordedServer(world)
+    theirs = server.bump(KIND, "assistant", {"metadata": {"labels": {"team": "search"}}})
+    stale = world[(KIND, "assistant")]["metadata"]["resourceVersion"]
+    await QuietReconciler(server, cached(world)).reconcile("llm", "assistant")
+    assert server.sent == [(KIND, "assistant", "status", stale, 409), (KIND, "assistant", "status", theirs, 200)]
+    assert server.objects[(KIND, "assistant")]["status"]["conditions"]

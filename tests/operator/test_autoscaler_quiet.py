@@ -26,6 +26,7 @@ from coserve.api.resource import KIND
 from coserve.autoscaling.queries import queries_for
 from coserve.operator.autoscaler import Autoscaler
 from coserve.operator.cache import ObjectCache
+from coserve.operator.kube import KubeError
 from coserve.operator.reconcile import PoolEvent
 from operator_kmock import merge_patch
 from pool_builders import sample_pool
@@ -55,11 +56,38 @@ class FakeKube:
         self.old_crd = old_crd  # the CRD of the version that kept history in status, which defaulted two fields
         self.status_writes: list[dict[str, Any]] = []
         self.versions = itertools.count(100)
+        self.moved: dict[str, str] = {}  # name -> the version the server has after another writer's change
+        self.scales: list[tuple[str, str | None, int]] = []  # (Deployment, version it carried, HTTP status)
+        self.status_versions: list[str | None] = []  # the version each status write carried
+
+    def stored_version(self, kind: str, namespace: str, name: str) -> str | None:
+        cached = self.cache.get(kind, namespace, name) or {}
+        return self.moved.get(name) or cached.get("metadata", {}).get("resourceVersion")
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        found = copy.deepcopy(self.cache.get(kind, namespace, name))
+        if found is not None and name in self.moved:
+            found["metadata"]["resourceVersion"] = self.moved[name]
+        return found
 
     async def merge_patch(
-        self, kind: str, namespace: str, name: str, body: Mapping[str, Any], subresource: str | None = None
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: Mapping[str, Any],
+        subresource: str | None = None,
+        *,
+        resource_version: str | None = None,
     ) -> dict[str, Any]:
+        refused = resource_version is not None and resource_version != self.stored_version(kind, namespace, name)
+        if kind == "Deployment":
+            self.scales.append((name, resource_version, 409 if refused else 200))
+        if refused:
+            raise KubeError(409, "Conflict", "the object has been modified")  # as the API server's precondition
+        self.moved.pop(name, None)
         if kind == KIND and subresource == "status":
+            self.status_versions.append(resource_version)
             self.status_writes.append(copy.deepcopy(dict(body)))
         stored = merge_patch(self.cache.get(kind, namespace, name), body)
         autoscaling = (stored.get("status") or {}).get("autoscaling")
@@ -269,5 +297,21 @@ async def test_a_signal_that_moves_beyond_the_tolerance_is_written() -> None:
         stored = (world.cache.get(KIND, NS, NAME) or {})["status"]["autoscaling"]["signals"]["arrivalRatePerS"]
         assert stored == pytest.approx(0.54, rel=0.002)
         assert await world.run(10 * INTERVAL_S) == 0  # and then quiet again
+    finally:
+        await world.autoscaler.close()
+
+
+@pytest.mark.asyncio
+async def test_a_scale_decided_from_a_deployment_that_changed_since_is_refused_and_decided_again() -> None:
+    """Another writer changed the decoder Deployment after the cache saw it: the scale-down that was decided from
+    the cached version is refused (409), the autoscaler reads the Deployment, and the next evaluation scales it."""
+    world = World(up=True)
+    try:
+        world.kube.moved[f"{NAME}-decoder"] = "50"  # e.g. a label added by hand; the watch has not delivered it
+        for _ in range(WINDOW_S // INTERVAL_S + 2):
+            await world.run(INTERVAL_S)
+        assert world.kube.scales == [(f"{NAME}-decoder", "1", 409), (f"{NAME}-decoder", "50", 200)]
+        assert (world.cache.get("Deployment", NS, f"{NAME}-decoder") or {})["spec"]["replicas"] == 1
+        assert world.kube.status_versions and all(world.kube.status_versions), "a status write without a version"
     finally:
         await world.autoscaler.close()

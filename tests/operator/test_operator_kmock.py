@@ -388,7 +388,7 @@ async def test_a_claim_resize_the_api_server_refuses_is_a_warning_not_a_failed_r
         kmock[kmocklib.resource("", "v1", "persistentvolumeclaims")] << kmocklib.KubernetesError(
             403, "Forbidden", refusal
         )
-        current, refusals = await PoolReconciler(kube)._apply(NS, "chat", Reconciliation((grow,), {}, (), True))
+        current, refusals = await PoolReconciler(kube)._apply(NS, "chat", Reconciliation((grow,), {}, (), True), {})
     assert current  # nothing to decide again: the next resync tries once more
     (warning,) = refusals
     assert (warning.type, warning.reason) == ("Warning", "ChildRefused")

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,19 @@ import httpx
 import kmock as kmocklib
 import pytest
 
-from operator_kmock import CHILDREN, MERGE, NS, POOL, POOLS, ApiServerEmulator, condition, declare_resources, exists
+from operator_kmock import (
+    CHILDREN,
+    MERGE,
+    NS,
+    POOL,
+    POOLS,
+    POOLS_URL,
+    ApiServerEmulator,
+    VersionedEmulator,
+    condition,
+    declare_resources,
+    exists,
+)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.kmock(cls=ApiServerEmulator)]  # errors as the API server answers
 
@@ -295,3 +308,63 @@ async def test_only_the_lease_holder_writes_and_the_other_takes_over(
     assert any("deployments/chat-router" in line for line in done["a"]) and done["b"] == [], done
     assert kmock.objects[POOLS, NS, "chat"]["status"]["plan"]
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.kmock(cls=VersionedEmulator)  # resourceVersion preconditions, as kube-apiserver enforces them
+async def test_a_deposed_leader_s_late_writes_never_land(kmock: VersionedEmulator, replicas: Replicas) -> None:
+    """A leader decides a write and sends it; the request is held on the way (``hold``) and the leader is paused
+    (SIGSTOP) past its Lease. The other replica takes over, and the pool's spec changes, so it writes the same
+    child. Then the held request lands and the old leader resumes. The write was decided from a version of the
+    child that is no longer there: the API server refuses it (409), and the old leader stands down instead of
+    writing again. Without the ``resourceVersion`` precondition the late patch lands and the router is put
+    back to the old spec's replica count."""
+    declare_resources(kmock)
+    server = str(kmock.url).rstrip("/")
+    requests = lambda: list(kmock)  # noqa: E731
+    replicas.start("a")
+    replicas.alive.add("a")
+    await until(lambda: holder(kmock) == "a", "the Lease held by a", replicas, timeout_s=30)
+    await until(lambda: watching(requests(), "a"), "a's watches", replicas)
+    replicas.start("b")
+    replicas.alive.add("b")
+    await until(lambda: watching(requests(), "b") and polled_lease(requests(), "b") >= 2, "b standing by", replicas)
+    async with httpx.AsyncClient(base_url=server, timeout=10) as client:
+        response = await client.post(f"/apis/coserve.dev/v1alpha1/namespaces/{NS}/coservepools", json=POOL)
+        assert response.status_code in (200, 201), response.text
+        await until(lambda: all(exists(kmock, r, n) for r, n in CHILDREN), "all the children", replicas)
+        await until(lambda: kmock.objects[POOLS, NS, "chat"].get("status", {}).get("plan"), "a's status", replicas)
+
+        # a's write to the router is held on the way; a is paused as soon as it has sent it
+        kmock.hold("token-a", ("/deployments/chat-router",))
+        response = await client.patch(ROUTER_URL, headers=MERGE, json={"spec": {"replicas": 7}})
+        assert response.status_code == 200, response.text
+        await until(lambda: kmock.waiting, "a's patch of the router, on its way", replicas)
+        replicas.processes["a"].send_signal(signal.SIGSTOP)
+        paused = len(kmock.writes)
+
+        # b takes over; the spec now asks for 3 routers, and b writes them
+        response = await client.patch(f"{POOLS_URL}/chat", headers=MERGE, json={"spec": {"router": {"replicas": 3}}})
+        assert response.status_code == 200, response.text
+        await until(lambda: holder(kmock) == "b", "the Lease taken over by b", replicas, timeout_s=15)
+        await until(
+            lambda: kmock.objects["apps/v1/deployments", NS, "chat-router"]["spec"]["replicas"] == 3,
+            "b's write of 3 routers",
+            replicas,
+        )
+
+        # the held request lands, and a resumes
+        log = replicas.logs[0]
+        seen = len(log.read_text(errors="replace"))
+        kmock.release("token-a")
+        replicas.processes["a"].send_signal(signal.SIGCONT)
+        await until(lambda: [w for w in kmock.writes[paused:] if w.bearer == "token-a"], "a's late write", replicas)
+        await until(
+            lambda: re.search(r"stops leading|lost the lease|not leading", log.read_text(errors="replace")[seen:]),
+            "a standing down",
+            replicas,
+        )
+        late = [w for w in kmock.writes[paused:] if w.bearer == "token-a"]
+        landed = [w for w in late if w.status < 400]
+        assert not landed, f"the deposed leader's writes landed: {landed}"
+        assert any(w.status == 409 and w.path.endswith("/deployments/chat-router") for w in late), late
+        assert kmock.objects["apps/v1/deployments", NS, "chat-router"]["spec"]["replicas"] == 3

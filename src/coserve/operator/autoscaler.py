@@ -98,7 +98,7 @@ from coserve.operator.deletion_cost import (
     deletion_costs,
     pinned_conversations_query,
 )
-from coserve.operator.kube import KubeClient, KubeError, NotLeading
+from coserve.operator.kube import KubeClient, KubeError, NotLeading, version_of
 from coserve.operator.metrics import AUTOSCALER_EVALUATIONS
 from coserve.operator.reconcile import PoolEvent
 from coserve.operator.resources import child_name, selector_for
@@ -273,6 +273,10 @@ class _Memory:
     prefiller_queue: float | None = None
 
 
+class _Changed(Exception):
+    """A write's ``resourceVersion`` precondition failed (409): the object changed after the decision was made."""
+
+
 @dataclass(frozen=True)
 class _Outcome:
     active: bool
@@ -367,11 +371,16 @@ class Autoscaler:
                 decision = outcome.decision
                 memory.history, memory.kv_high_evaluations = decision.history, decision.kv_high_evaluations
                 memory.prefiller_queue = decision.prefiller_queue
-            if outcome.decision is not None and outcome.decision.replicas != current:
-                await self._scale(namespace, pool, current, outcome.decision.replicas)
-                await self.post_event(namespace, body, PoolEvent("Normal", "Scaled", _scaled_message(
-                    current, outcome.decision)))  # fmt: skip
-            await self._write_status(namespace, name, body, previous, outcome, signals)
+            try:
+                if outcome.decision is not None and outcome.decision.replicas != current:
+                    await self._scale(namespace, pool, current, outcome.decision.replicas)
+                    await self.post_event(namespace, body, PoolEvent("Normal", "Scaled", _scaled_message(
+                        current, outcome.decision)))  # fmt: skip
+                await self._write_status(namespace, name, body, previous, outcome, signals)
+            except _Changed as changed:  # decided from what is no longer there: the next evaluation reads again
+                logger.info("%s/%s: %s changed since it was read; evaluating again next time", namespace, name,
+                            changed)  # fmt: skip
+                return None
             return outcome.decision
 
     def _memory_of(self, namespace: str, name: str, body: Mapping[str, Any], previous: AutoscalingStatus) -> _Memory:
@@ -467,9 +476,26 @@ class Autoscaler:
             if role == "decoder" and want < have:
                 await self._set_deletion_costs(namespace, pool)
             deployment = child_name(name, role)
-            written = await self.kube.merge_patch("Deployment", namespace, deployment, {"spec": {"replicas": want}})
+            seen = version_of(self.cache.get("Deployment", namespace, deployment))
+            written = await self._fenced_patch("Deployment", namespace, deployment, {"spec": {"replicas": want}}, seen)
             self.cache.put("Deployment", written)
             logger.info("%s/%s: %s %d -> %d replicas", namespace, name, deployment, have, want)
+
+    async def _fenced_patch(
+        self, kind: str, namespace: str, name: str, body: Mapping[str, Any], seen: str | None,
+        subresource: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Merge-patch what was decided from the object at version ``seen``; ``_Changed`` when it has changed since
+        (409: another replica, a user or a controller wrote it), after the cache has learnt the object as it is."""
+        try:
+            return await self.kube.merge_patch(kind, namespace, name, body, subresource, resource_version=seen)
+        except KubeError as error:
+            if error.status != 409:
+                raise
+            found = await self.kube.get(kind, namespace, name)
+            if found is not None:
+                self.cache.put(kind, found)
+            raise _Changed(f"{kind} {name}") from None
 
     async def _set_deletion_costs(self, namespace: str, pool: CoServePool) -> None:
         """Annotate each decoder pod with the conversations pinned to it (module docstring); never raises.
@@ -489,11 +515,13 @@ class Autoscaler:
             logger.warning("%s/%s: scaling decoders down without fresh pod deletion costs: %s", namespace, name, error)
             return
         pods = [_decoder_pod(pod) for pod in listed if _selected(pod, labels) and not _terminating(pod)]
+        versions = {(pod.get("metadata") or {}).get("name"): version_of(pod) for pod in listed}
         for patch in deletion_costs(pods, pins):
             try:
                 await self.kube.merge_patch(
-                    "Pod", namespace, patch.pod, {"metadata": {"annotations": patch.annotations()}}
-                )
+                    "Pod", namespace, patch.pod, {"metadata": {"annotations": patch.annotations()}},
+                    resource_version=versions.get(patch.pod),
+                )  # fmt: skip
             except KubeError as error:  # e.g. the pod is gone meanwhile
                 logger.warning(
                     "%s/%s: could not set the deletion cost of pod %s: %s", namespace, name, patch.pod, error
@@ -539,7 +567,7 @@ class Autoscaler:
         wire: dict[str, Any] = {**autoscaling.to_wire(), **dict.fromkeys(leftover)}
         patch = {"autoscaling": wire, "conditions": [c.to_wire() for c in conditions]}
         try:
-            written = await self.kube.merge_patch(KIND, namespace, name, {"status": patch}, subresource="status")
+            written = await self._fenced_patch(KIND, namespace, name, {"status": patch}, version_of(body), "status")
             self.cache.put(KIND, written)
         except KubeError as error:
             if error.status != 404:

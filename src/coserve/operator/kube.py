@@ -77,6 +77,7 @@ __all__ = [
     "describe",
     "fetch_credential",
     "load_cluster",
+    "version_of",
 ]
 
 FIELD_MANAGER = "coserve-operator"
@@ -398,29 +399,50 @@ class KubeClient:
         return _plain(await self._write("create", kind, str(metadata.get("name")), lambda: self._client.create(obj)))
 
     async def merge_patch(
-        self, kind: str, namespace: str, name: str, body: Mapping[str, Any], subresource: str | None = None
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: Mapping[str, Any],
+        subresource: str | None = None,
+        *,
+        resource_version: str | None = None,
     ) -> dict[str, Any]:
-        """RFC 7386 merge patch: maps merge, lists and scalars are replaced by ``body``'s."""
+        """RFC 7386 merge patch: maps merge, lists and scalars are replaced by ``body``'s.
+
+        ``resource_version``: the version of the object the patch was decided from. The API server
+        applies the patch only if the object still has it, and answers 409 Conflict otherwise: the
+        write fence that holds even for a request that lands late, after another replica wrote. A
+        409 means "read again and decide again", never "send the same patch again".
+        """
         res = self.resource(kind, subresource)
+        if resource_version is not None:
+            body = {**body, "metadata": {**(body.get("metadata") or {}), "resourceVersion": resource_version}}
 
         def call() -> Any:
             return self._client.patch(res, name, dict(body), namespace=namespace, patch_type=PatchType.MERGE)
 
         return _plain(await self._write("patch", kind if subresource is None else f"{kind}/{subresource}", name, call))
 
-    async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> None:
-        """Delete the object; with ``uid``, only that very object (HTTP 409 if the name now holds another).
+    async def delete(
+        self, kind: str, namespace: str, name: str, *, uid: str | None = None, resource_version: str | None = None
+    ) -> None:
+        """Delete the object; with ``uid``, only that very object (HTTP 409 if the name now holds another); with
+        ``resource_version``, only if it is unchanged since it was read (HTTP 409 otherwise, as ``merge_patch``).
 
-        NOTE: the uid precondition needs a DeleteOptions body, which lightkube's ``delete`` cannot send; the
+        NOTE: preconditions need a DeleteOptions body, which lightkube's ``delete`` cannot send; the
         request is built by lightkube's generic client (auth, retries on 401) with that body added.
         """
         res = self.resource(kind)
-        if uid is None:
+        preconditions = {
+            key: value for key, value in (("uid", uid), ("resourceVersion", resource_version)) if value is not None
+        }
+        if not preconditions:
             await self._write("delete", kind, name, lambda: self._client.delete(res, name, namespace=namespace))
             return
         generic: Any = self._client._client
         request = generic.prepare_request("delete", res=res, name=name, namespace=namespace)
-        request.data = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        request.data = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": preconditions}
 
         async def send() -> None:
             response = await generic.send(generic.build_adapter_request(request))
@@ -432,6 +454,15 @@ class KubeClient:
     async def _call(call: Any) -> Any:
         with _translated():
             return await call
+
+
+def version_of(obj: Mapping[str, Any] | None) -> str | None:
+    """The object's ``metadata.resourceVersion`` as read: what a write decided from it carries as its precondition.
+
+    ``None`` for no object, or one without a version (an emulator's): the write is then sent without one.
+    """
+    version = ((obj or {}).get("metadata") or {}).get("resourceVersion")
+    return version if isinstance(version, str) and version else None
 
 
 @contextlib.contextmanager

@@ -28,6 +28,12 @@ Beyond client-go:
   the start of its last successful renewal, so a write delayed by a slow
   Prometheus query or API call is dropped (``NotLeading``) rather than sent by a
   replica that may no longer lead;
+- the fence is a clock check on this side of the wire, so the API server holds
+  the last line: every child patch or delete, scale and status write carries the
+  ``resourceVersion`` it was decided from (``KubeClient.merge_patch``), and a
+  write that lands after another replica wrote the same object gets 409 and is
+  decided again, never re-sent (a paused or partitioned leader's late write
+  cannot overwrite the new leader's);
 - the margin between the renew deadline and the lease duration is longer than
   any API call (``call_timeout_s``, derived from it unless set), so the leader
   stops acting before its Lease can expire even when its last call hangs;

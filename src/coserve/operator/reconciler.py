@@ -41,7 +41,7 @@ from coserve.api.profile import EngineProfile
 from coserve.api.resource import KIND
 from coserve.operator.cache import ObjectCache
 from coserve.operator.events import EventRecorder
-from coserve.operator.kube import KubeClient, KubeError, NotLeading
+from coserve.operator.kube import KubeClient, KubeError, NotLeading, version_of
 from coserve.operator.metrics import CHILD_CHANGES, RECONCILE_SECONDS, RECONCILES, forget_pool, observe_pool
 from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
 from coserve.operator.resources import TOKEN_KEY, child_keys
@@ -131,7 +131,8 @@ class PoolReconciler:
         await self._post_event(namespace, pool, event)
 
     async def _reconcile(self, namespace: str, name: str, attempts: int = 3) -> Reconciliation | None:
-        """Read (cache), decide, write; again from the top when a create shows the cache was behind.
+        """Read (cache), decide, write; again from the top when a create shows the cache was behind, or a
+        write's ``resourceVersion`` precondition shows that what it was decided from has changed (409).
 
         Before creating anything the pool is read from the API server: a child's
         deletion can be seen before its pool's, and a child created for a pool
@@ -161,13 +162,18 @@ class PoolReconciler:
                 fresh = True
                 if await self._read_pool(namespace, name) != body:
                     continue  # the pool changed (or is gone): decide on what the API server holds
-            current, refusals = await self._apply(namespace, name, result)
+            current, refusals = await self._apply(namespace, name, result, observed)
             if not current:
                 continue
-            if body.get("status") != result.status:
-                await self._write_status(namespace, name, result.status)
-            for event in (*result.events, *refusals):
+            stored = body.get("status") == result.status or await self._write_status(
+                namespace, name, result.status, version_of(body)
+            )
+            for event in (*result.events, *refusals):  # the children's writes landed: say so either way
                 await self._post_event(namespace, body, event)
+            if not stored:  # the pool changed since it was read: read it again and decide again
+                await self._read_pool(namespace, name)
+                fresh = True
+                continue
             observe_pool(namespace, name, body, result.status, observed)  # plan vs ready replicas, spec workload
             return result
         raise KubeError(409, "Conflict", f"{namespace}/{name}: the children kept changing during {attempts} reconciles")
@@ -181,11 +187,20 @@ class PoolReconciler:
             self.cache.put(KIND, body)
         return body
 
-    async def _apply(self, namespace: str, name: str, result: Reconciliation) -> tuple[bool, list[PoolEvent]]:
+    async def _apply(
+        self,
+        namespace: str,
+        name: str,
+        result: Reconciliation,
+        observed: Mapping[ChildKey, Mapping[str, Any] | None],
+    ) -> tuple[bool, list[PoolEvent]]:
         """Create, patch or delete the children.
 
-        ``False`` when the cache was behind (it is refreshed: decide again); with Warning events for the
-        changes the API server refused by policy (a PersistentVolumeClaim it cannot expand).
+        Each patch and delete carries the ``resourceVersion`` of the child it was decided from (``observed``),
+        so the API server refuses it (409) if anyone wrote the child since: a deposed replica's late write
+        never lands over the new leader's. ``False`` when the cache was behind or a child changed (it is
+        refreshed: decide again); with Warning events for the changes the API server refused by policy (a
+        PersistentVolumeClaim it cannot expand).
         """
         current = True
         refusals: list[PoolEvent] = []
@@ -195,13 +210,17 @@ class PoolReconciler:
                     written = await self.kube.create(action.kind, namespace, _with_generated(action.body))
                 elif action.verb == "delete":
                     uid = (action.body.get("metadata") or {}).get("uid")
-                    await self._delete(namespace, action.kind, action.name, uid if isinstance(uid, str) else None)
+                    seen = version_of(observed.get((action.kind, action.name)))
+                    await self._delete(namespace, action.kind, action.name, uid if isinstance(uid, str) else None, seen)
                     CHILD_CHANGES.labels(action.verb, action.kind).inc()
                     logger.info("%s/%s: delete %s %s (%s)", namespace, name, action.kind, action.name, action.reason)
                     continue
                 else:
                     body = _with_generated(action.body) if action.kind == "Secret" else action.body
-                    written = await self.kube.merge_patch(action.kind, namespace, action.name, body)
+                    decided_from = version_of(observed.get((action.kind, action.name)))
+                    written = await self.kube.merge_patch(
+                        action.kind, namespace, action.name, body, resource_version=decided_from
+                    )
             except KubeError as error:
                 if action.kind == "PersistentVolumeClaim" and action.verb == "patch" and error.status in (403, 422):
                     # NOTE: e.g. a storage class without allowVolumeExpansion; retrying at once would fail again
@@ -211,7 +230,8 @@ class PoolReconciler:
                     continue
                 if error.status not in (404, 409):
                     raise
-                # 409 on create: it exists after all; 404 on patch: it is gone. Learn which, decide again.
+                # 409 on create: it exists after all; on patch or delete: it changed since it was read;
+                # 404 on patch: it is gone. Learn which, decide again.
                 found = await self.kube.get(action.kind, namespace, action.name)
                 if found is None:
                     self.cache.forget(action.kind, namespace, action.name)
@@ -224,10 +244,11 @@ class PoolReconciler:
             logger.info("%s/%s: %s %s %s (%s)", namespace, name, action.verb, action.kind, action.name, action.reason)
         return current, refusals
 
-    async def _delete(self, namespace: str, kind: str, name: str, uid: str | None) -> None:
-        """Delete the child seen with ``uid``; already gone is done (a 409: another object took the name)."""
+    async def _delete(self, namespace: str, kind: str, name: str, uid: str | None, version: str | None) -> None:
+        """Delete the child seen with ``uid`` at ``version``; already gone is done (a 409: another object took the
+        name, or the child changed since it was read)."""
         try:
-            await self.kube.delete(kind, namespace, name, uid=uid)
+            await self.kube.delete(kind, namespace, name, uid=uid, resource_version=version)
         except KubeError as error:
             if error.status != 404:
                 raise
@@ -236,14 +257,23 @@ class PoolReconciler:
     async def _post_event(self, namespace: str, pool: Mapping[str, Any], event: PoolEvent) -> None:
         await self.events.post(namespace, pool, event)
 
-    async def _write_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        # A merge patch replaces lists (conditions) whole; the status subresource keeps spec untouched.
+    async def _write_status(self, namespace: str, name: str, status: dict[str, Any], version: str | None) -> bool:
+        """Write the status decided from the pool at ``version``; ``False`` when the pool changed since (409).
+
+        A merge patch replaces lists (conditions) whole; the status subresource keeps spec untouched.
+        """
         try:
-            written = await self.kube.merge_patch(KIND, namespace, name, {"status": status}, subresource="status")
+            written = await self.kube.merge_patch(
+                KIND, namespace, name, {"status": status}, subresource="status", resource_version=version
+            )
             self.cache.put(KIND, written)
         except KubeError as error:
+            if error.status == 409:
+                logger.info("%s/%s: the pool changed since it was read; deciding again", namespace, name)
+                return False
             if error.status != 404:  # 404: the pool was deleted meanwhile; nothing to report on
                 raise
+        return True
 
     async def _profile(self, namespace: str, body: Mapping[str, Any]) -> tuple[EngineProfile | None, Problem | None]:
         """The measured profile ``spec.profile.configMapRef`` names, or why it cannot be used."""
