@@ -3,46 +3,50 @@
 Processes on this 2-core machine: a fast fake upstream (a minimal ASGI app
 answering a fixed completion and keeping a decoder's conversation record, the
 engine's own ``ConversationLog``, standing in for an engine so that only the
-router is measured), ``--replicas`` (2, the chart's default) ``coserve router``
-processes in front of it (one decoder, no prefiller), and this load generator
-(aiohttp), which sends each request to the next replica in turn, as a Service
-spreads connections. The requests are the turns of four-turn chat
-conversations, in order, so consecutive turns of a conversation reach
-different replicas: turn 1 is placed and pinned, turn 2 reaches a replica
-without the pin, which asks the decoder (the lookup every replica's first
-sight of a conversation costs), turns 3 and 4 find pins.
+router is measured), the router under test and this load generator (aiohttp).
+The requests are the turns of four-turn chat conversations, in order, each
+sent to the next router process in turn, as a Service spreads connections.
 
-By default the router runs on its own core and the load generator and upstream
-share the other, in both arms: in a cluster the router's pod has its own CPU,
-and on 2 cores three busy processes otherwise measure the machine's scheduler
-(a request crosses four process wake-ups through the router, two directly).
-``--shared-cores`` lets all three share both cores.
+Matched: every router arm is ``--replicas`` processes (1 by default; the same
+count for coserve and vllm-router), fresh for each arm, on the router core; the
+load generator and upstream share the other core, in every arm (in a cluster
+the router's pod has its own CPU). ``--shared-cores`` lets all share both.
+With two processes, a conversation's turns alternate between them: turn 2
+reaches a coserve replica without the pin, which asks the decoder (the lookup
+a replica's first sight of a conversation costs). vllm-router's replicas share
+nothing: its ``consistent_hash`` needs no shared state, and ``cache_aware``
+keeps a prefix tree per process.
 
-- Latency: an open-loop Poisson stream at ``--rate`` (500/s) for ``--seconds``,
-  sent directly to the upstream (the baseline) and through the router, in the
-  same run; added latency = router minus direct, at p50 and p99.
-- Throughput: closed loop, ``--concurrency`` clients, non-streaming, through the
-  router and directly; requests/s.
+Each repetition (``--repetitions``, 3) runs direct, coserve and every
+vllm-router configuration once, the order reversed on odd repetitions; the
+figures pool the repetitions.
 
-- CPU per request: the routers' processes' CPU time (user + system, every
+- Latency: an open-loop Poisson stream at ``--rate`` (500/s) for ``--seconds``;
+  added latency = router minus direct, at p50 and p99.
+- Throughput: closed loop, ``--concurrency`` clients, non-streaming; requests/s.
+- CPU per request: the router processes' CPU time (user + system, every
   thread, from /proc) over the latency window, divided by the requests served.
+- Intervals: 95 % bootstrap intervals on the two ratios against vllm-router
+  (the latencies of the three arms resampled for added p99; one-second CPU
+  slices for CPU per request).
+- Profile: a last pass samples one coserve router with py-spy at ``--rate``
+  and reports its CPU by the library the innermost Python frame is in.
 
-The peer: vLLM's own router (``vllm-router``, Rust, the bench extra pins it),
-one process on the same core in front of the same upstream, in the same run,
-the same requests (each carries ``x-session-id``, the header its
-``consistent_hash`` reads first; coserve ignores it and names conversations
-itself). What an operator would tune is swept: its policy (round_robin,
-consistent_hash, cache_aware) x its tokio worker threads (1 and 2:
-``TOKIO_WORKER_THREADS``; its default is one per core it may use, here 1), with
-``--log-level error`` (warning logs three lines per request) and a health check
-interval longer than the run; each figure is compared with its best
-configuration for that figure.
+The peer: vLLM's own router (``vllm-router``, Rust, the bench extra pins it)
+in front of the same upstream, the same requests (each carries
+``x-session-id``, the header its ``consistent_hash`` reads first; coserve
+ignores it and names conversations itself). What an operator would tune is
+swept: its policy (round_robin, consistent_hash, cache_aware) x its tokio
+worker threads (1 and 2: ``TOKIO_WORKER_THREADS``), with ``--log-level
+error`` (warning logs three lines per request) and a health check interval
+longer than the run; each figure is compared with its best configuration.
 
 Targets: at most 1 ms added at p99 at 500 requests/s; at least 2,000 requests/s
 non-streaming; coserve's added p99 at most 2x vllm-router's; coserve's CPU per
 request at most 1.5x vllm-router's. Writes benchmarks/results/router_overhead.json.
 
-    .venv/bin/python benchmarks/router_overhead.py      # ~4 minutes
+    .venv/bin/python benchmarks/router_overhead.py                  # ~10 minutes
+    .venv/bin/python benchmarks/router_overhead.py --replicas 2     # two processes against two
 """
 
 from __future__ import annotations
@@ -52,16 +56,19 @@ import asyncio
 import contextlib
 import importlib.metadata
 import json
+import math
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 from harness.peers import POLICIES, free_port, launched, vllm_router_command
 from harness.results import Table, ratio, show, write_result
 from harness.stats import percentile, say
@@ -147,21 +154,40 @@ async def one(session: aiohttp.ClientSession, bases: list[str], index: int) -> f
 
 
 async def open_loop(base: list[str], rate: float, seconds: float, seed: int, first: int = 0) -> list[float]:
-    return (await timed_open_loop(base, rate, seconds, seed, first))[0]
+    return (await timed_open_loop(base, rate, seconds, seed, first)).latencies
 
 
 async def timed_open_loop(
     base: list[str], rate: float, seconds: float, seed: int, first: int = 0, pids: tuple[int, ...] = ()
-) -> tuple[list[float], float]:
-    """The latencies of a Poisson stream at ``rate`` for ``seconds``, and the CPU seconds the processes
-    ``pids`` spent from its first request until its last answer (after the warm-up)."""
+) -> Arm:
+    """A Poisson stream at ``rate`` for ``seconds`` (after a warm-up): its latencies, and the CPU seconds the
+    processes ``pids`` spent from its first request until its last answer, in total and second by second (with
+    the requests answered in each second: the samples the CPU ratio's interval is drawn from)."""
     rng = random.Random(seed)
-    latencies: list[float] = []
+    answered = 0
+
+    async def counted(index: int) -> float:
+        nonlocal answered
+        latency = await one(session, base, index)
+        answered += 1
+        return latency
+
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for index in range(10**7 + first, 10**7 + first + 50):  # warm up connections (conversations of their own)
             await one(session, base, index)
+        slices: list[tuple[float, int]] = []
+
+        async def sample() -> None:
+            last_cpu, last_answered = sum(cpu_seconds(pid) for pid in pids), answered
+            while True:
+                await asyncio.sleep(1.0)
+                cpu = sum(cpu_seconds(pid) for pid in pids)
+                slices.append((cpu - last_cpu, answered - last_answered))
+                last_cpu, last_answered = cpu, answered
+
         tasks = []
         cpu_before = sum(cpu_seconds(pid) for pid in pids)
+        sampler = asyncio.create_task(sample()) if pids else None
         start = time.perf_counter()
         at = 0.0
         index = first
@@ -169,12 +195,14 @@ async def timed_open_loop(
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(session, base, index)))
+            tasks.append(asyncio.create_task(counted(index)))
             index += 1
             at += rng.expovariate(rate)
         latencies = list(await asyncio.gather(*tasks))
         cpu = sum(cpu_seconds(pid) for pid in pids) - cpu_before
-    return latencies, cpu
+        if sampler is not None:
+            sampler.cancel()
+    return Arm(latencies, cpu, 0.0, [(c, n) for c, n in slices if n > 0])
 
 
 async def closed_loop(base: list[str], concurrency: int, seconds: float) -> float:
@@ -201,16 +229,20 @@ async def measure_arm(args: argparse.Namespace, ready: list[str], bases: list[st
     async with aiohttp.ClientSession() as session:
         for url in ready:
             await wait_ready(session, url)
-    latencies, cpu = await timed_open_loop(bases, args.rate, args.seconds, 1, pids=pids)
-    rps = await closed_loop(bases, args.concurrency, args.seconds)
-    return Arm(latencies, cpu, rps)
+    arm = await timed_open_loop(bases, args.rate, args.seconds, 1, pids=pids)
+    arm.requests_per_s = await closed_loop(bases, args.concurrency, args.seconds)
+    return arm
 
 
 @dataclass
 class Arm:
+    """One arm's measurements: one repetition's, or several pooled (``pooled``)."""
+
     latencies: list[float]
     cpu_s: float  # the arm's router processes' CPU seconds over the latency window
     requests_per_s: float
+    slices: list[tuple[float, int]] = field(default_factory=list)  # (CPU seconds, requests answered) per second
+    repetitions: list[float] = field(default_factory=list)  # pooled: each repetition's requests/s
 
     def figures(self, direct: Arm) -> dict[str, float]:
         p50, p99 = percentile(self.latencies, 50), percentile(self.latencies, 99)
@@ -223,6 +255,35 @@ class Arm:
             "cpu_s_per_request": self.cpu_s / len(self.latencies),
             "samples": len(self.latencies),
         }
+
+
+def pooled(arms: list[Arm]) -> Arm:
+    """The repetitions of one arm as one sample: latencies and CPU slices together, requests/s their median."""
+    rates = [arm.requests_per_s for arm in arms]
+    return Arm([x for arm in arms for x in arm.latencies], sum(arm.cpu_s for arm in arms), statistics.median(rates),
+               [x for arm in arms for x in arm.slices], rates)  # fmt: skip
+
+
+def intervals(ours: Arm, theirs: Arm, direct: Arm, resamples: int = 2000, seed: int = 7) -> dict[str, list[float]]:
+    """95 % bootstrap intervals of the two ratios: added p99 (latencies of all three arms resampled) and CPU per
+    request (the arms' one-second CPU slices resampled). An interval is unbounded above when the peer's added
+    p99 is not positive in more than 2.5 % of the resamples."""
+    rng = np.random.default_rng(seed)
+    lat = {name: np.asarray(arm.latencies) for name, arm in (("o", ours), ("t", theirs), ("d", direct))}
+    p99 = {name: np.percentile(rng.choice(v, (resamples, len(v))), 99, axis=1) for name, v in lat.items()}
+    added_o, added_t = p99["o"] - p99["d"], p99["t"] - p99["d"]
+    safe = np.where(added_t > 0, added_t, np.nan)
+    latency = np.where(added_t > 0, added_o / safe, np.inf)
+    out = {"added_p99_ratio_ci95": [float(np.percentile(latency, 2.5)), float(np.percentile(latency, 97.5))]}
+    if ours.slices and theirs.slices:
+        cpu_o, cpu_t = np.asarray(ours.slices, dtype=float), np.asarray(theirs.slices, dtype=float)
+        pick_o = rng.integers(0, len(cpu_o), (resamples, len(cpu_o)))
+        pick_t = rng.integers(0, len(cpu_t), (resamples, len(cpu_t)))
+        per_o = cpu_o[pick_o, 0].sum(axis=1) / cpu_o[pick_o, 1].sum(axis=1)
+        per_t = cpu_t[pick_t, 0].sum(axis=1) / cpu_t[pick_t, 1].sum(axis=1)
+        ratios = per_o / per_t
+        out["cpu_per_request_ratio_ci95"] = [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
+    return out
 
 
 def peer_comparison(ours: dict[str, float], sweep: list[dict[str, Any]]) -> dict[str, Any]:
@@ -342,7 +403,9 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=500.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--replicas", type=int, default=2, help="router replicas (default 2, the chart's)")
+    parser.add_argument("--repetitions", type=int, default=3, help="repetitions of every arm (default 3)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="processes per router, the same for coserve and vllm-router (default 1)")  # fmt: skip
     parser.add_argument("--turns", type=int, default=TURNS, help=f"turns per conversation (default {TURNS})")
     parser.add_argument(
         "--pins", type=int, nargs="+", help="instead: idle CPU and added latency at these live pin counts (one replica)"
@@ -355,6 +418,8 @@ def main() -> int:
     parser.add_argument("--peer-policies", nargs="*", default=list(POLICIES), help="vllm-router policies swept")
     parser.add_argument("--peer-threads", type=int, nargs="*", default=list(PEER_THREADS),
                         help="vllm-router tokio worker thread counts swept")  # fmt: skip
+    parser.add_argument("--profile-seconds", type=float, default=8.0,
+                        help="then profile coserve's router with py-spy this long at --rate (0: none)")  # fmt: skip
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pins:
@@ -370,60 +435,175 @@ def main() -> int:
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="coserve-router-bench-"))
     up_port = free_port()
-    router_ports = [free_port() for _ in range(args.replicas)]
     upstream = f"http://127.0.0.1:{up_port}"
-    routers = [f"http://127.0.0.1:{port}" for port in router_ports]
     config = workdir / "router.json"
     config.write_text(json.dumps({"model": "tiny", "decoders": [upstream], "pollS": 1.0, "maxPins": 200_000}))
     os.sched_setaffinity(0, client_cores)
-    sweep: list[dict[str, Any]] = []
+    bench = Bench(args, upstream, config, router_cores)
     with launched([sys.executable, __file__, "--serve-upstream", str(up_port)], client_cores):
-        with contextlib.ExitStack() as stack:
-            processes = [stack.enter_context(launched(coserve_command(config, p), router_cores)) for p in router_ports]
-            if args.pins:
-                write_pins(asyncio.run(measure_pins(args, upstream, routers[0], processes[0].pid)), args)
-                return 0
-            say(f"direct, then coserve ({args.replicas} replicas): {args.rate:.0f} requests/s for "
-                f"{args.seconds:.0f} s, then {args.concurrency} clients for {args.seconds:.0f} s")  # fmt: skip
-            direct = asyncio.run(measure_arm(args, [f"{upstream}/metrics"], [upstream], ()))
-            ready = [f"{router}/ready" for router in routers]
-            ours = asyncio.run(measure_arm(args, ready, routers, tuple(p.pid for p in processes))).figures(direct)
-        for policy in args.peer_policies:
-            for threads in args.peer_threads:
-                say(f"vllm-router, {policy}, {threads} worker thread(s)")
-                port = free_port()
-                peer = f"http://127.0.0.1:{port}"
-                command, env = peer_command(upstream, port, policy), {"TOKIO_WORKER_THREADS": str(threads)}
-                with launched(command, router_cores, env, quiet=True) as process:  # its start-up chatter
-                    arm = asyncio.run(measure_arm(args, [f"{peer}/readiness"], [peer], (process.pid,)))
-                sweep.append({"policy": policy, "worker_threads": threads, **arm.figures(direct)})
-    report(args, direct, ours, sweep, cores, router_cores, client_cores, pinned)
+        if args.pins:
+            port = free_port()
+            with launched(coserve_command(config, port), router_cores) as process:
+                write_pins(asyncio.run(measure_pins(args, upstream, f"http://127.0.0.1:{port}", process.pid)), args)
+            return 0
+        runs = [bench.repetition(number) for number in range(args.repetitions)]
+        profile = bench.profile(workdir) if args.profile_seconds > 0 else None
+    report(args, runs, bench.peers, profile, cores, router_cores, client_cores, pinned)
     return 0
 
 
+COSERVE = "coserve"
+
+
+@dataclass
+class Bench:
+    """The arms, each run as fresh processes on the router cores in front of the one upstream."""
+
+    args: argparse.Namespace
+    upstream: str
+    config: Path
+    router_cores: set[int]
+
+    @property
+    def peers(self) -> list[tuple[str, int]]:
+        return [(policy, threads) for policy in self.args.peer_policies for threads in self.args.peer_threads]
+
+    def repetition(self, number: int) -> dict[Any, Arm]:
+        """Every arm once: direct, then coserve and each vllm-router configuration (in reverse order on odd
+        repetitions, so a drift of the machine does not fall on one side)."""
+        args = self.args
+        say(f"repetition {number + 1}/{args.repetitions}: {args.rate:.0f} requests/s for {args.seconds:.0f} s, then "
+            f"{args.concurrency} clients for {args.seconds:.0f} s, per arm")  # fmt: skip
+        arms: dict[Any, Arm] = {"direct": asyncio.run(measure_arm(args, [f"{self.upstream}/metrics"], [self.upstream],
+                                                                  ()))}  # fmt: skip
+        order: list[Any] = [COSERVE, *self.peers]
+        for arm in order if number % 2 == 0 else order[::-1]:
+            arms[arm] = self.coserve() if arm == COSERVE else self.peer(*arm)
+        return arms
+
+    def coserve(self) -> Arm:
+        say(f"coserve ({self.args.replicas} process(es))")
+        ports = [free_port() for _ in range(self.args.replicas)]
+        with contextlib.ExitStack() as stack:
+            processes = [stack.enter_context(launched(coserve_command(self.config, p), self.router_cores))
+                         for p in ports]  # fmt: skip
+            bases = [f"http://127.0.0.1:{port}" for port in ports]
+            return asyncio.run(measure_arm(self.args, [f"{b}/ready" for b in bases], bases,
+                                           tuple(p.pid for p in processes)))  # fmt: skip
+
+    def peer(self, policy: str, threads: int) -> Arm:
+        say(f"vllm-router ({self.args.replicas} process(es)), {policy}, {threads} worker thread(s)")
+        ports = [free_port() for _ in range(self.args.replicas)]
+        env = {"TOKIO_WORKER_THREADS": str(threads)}
+        with contextlib.ExitStack() as stack:
+            processes = [stack.enter_context(launched(peer_command(self.upstream, p, policy), self.router_cores, env,
+                                                      quiet=True)) for p in ports]  # fmt: skip
+            bases = [f"http://127.0.0.1:{port}" for port in ports]
+            return asyncio.run(measure_arm(self.args, [f"{b}/readiness" for b in bases], bases,
+                                           tuple(p.pid for p in processes)))  # fmt: skip
+
+    def profile(self, workdir: Path) -> dict[str, float]:
+        """Where one coserve router process's CPU goes at ``--rate``: py-spy's samples, by the library the
+        innermost Python frame is in (a separate pass: the sampler is not in the measured arms)."""
+        say(f"profiling coserve's router at {self.args.rate:.0f} requests/s for {self.args.profile_seconds:.0f} s")
+        port = free_port()
+        out = workdir / "profile.txt"
+        base = f"http://127.0.0.1:{port}"
+        with launched(coserve_command(self.config, port), self.router_cores) as process:
+            spy = [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(process.pid), "--rate", "250",
+                   "--duration", f"{self.args.profile_seconds:.0f}", "--format", "raw", "--output", str(out),
+                   "--nonblocking"]  # fmt: skip
+
+            async def load() -> None:
+                async with aiohttp.ClientSession() as session:
+                    await wait_ready(session, f"{base}/ready")
+                await timed_open_loop([base], self.args.rate, 1.0, 2, first=7 * 10**8)  # warm
+                with launched(spy, quiet=True) as sampler:
+                    await timed_open_loop([base], self.args.rate, self.args.profile_seconds + 1, 3, first=8 * 10**8)
+                    while sampler.poll() is None:
+                        await asyncio.sleep(0.1)
+
+            asyncio.run(load())
+        return attribute(out.read_text())
+
+
+# (where a frame's file is, the name its CPU is reported under); the first match wins
+PLACES = (
+    ("httptools", "HTTP server (uvicorn, httptools)"),
+    ("uvicorn", "HTTP server (uvicorn, httptools)"),
+    ("starlette", "ASGI framework (starlette)"),
+    ("aiohttp", "HTTP client to the engines (aiohttp)"),
+    ("multidict", "HTTP client to the engines (aiohttp)"),
+    ("yarl", "HTTP client to the engines (aiohttp)"),
+    ("prometheus_client", "metrics (prometheus_client)"),
+    ("coserve/router/fastjson", "JSON (orjson)"),
+    ("orjson", "JSON (orjson)"),
+    ("json/", "JSON (orjson)"),
+    ("coserve/", "coserve's routing (admission, placement, pins, forwarding)"),
+    ("asyncio", "event loop (asyncio, uvloop)"),
+    ("uvloop", "event loop (asyncio, uvloop)"),
+)
+
+
+def attribute(raw: str) -> dict[str, float]:
+    """py-spy's raw (collapsed) stacks as shares of the samples, by where the innermost frame is (``PLACES``)."""
+    counts: dict[str, int] = {}
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        leaf = stack.rsplit(";", 1)[-1]
+        place = next((name for part, name in PLACES if part in leaf), "other (standard library, interpreter)")
+        counts[place] = counts.get(place, 0) + int(count)
+    total = sum(counts.values()) or 1
+    return {place: count / total for place, count in sorted(counts.items(), key=lambda item: -item[1])}
+
+
+def label(arm: Any) -> str:
+    return arm if isinstance(arm, str) else f"vllm-router {arm[0]}, {arm[1]} thr"
+
+
 def report(
-    args: argparse.Namespace, direct: Arm, ours: dict[str, float], sweep: list[dict[str, Any]], cores: list[int],
-    router_cores: set[int], client_cores: set[int], pinned: bool,
+    args: argparse.Namespace, runs: list[dict[Any, Arm]], peers: list[tuple[str, int]],
+    profile: dict[str, float] | None, cores: list[int], router_cores: set[int], client_cores: set[int], pinned: bool,
 ) -> None:  # fmt: skip
+    arms = {key: pooled([run[key] for run in runs]) for key in runs[0]}
+    direct = arms["direct"]
     d50, d99 = percentile(direct.latencies, 50), percentile(direct.latencies, 99)
+    ours = arms[COSERVE].figures(direct)
+    sweep = [{"policy": p, "worker_threads": t, **arms[(p, t)].figures(direct)} for p, t in peers]
     latency_met = ours["added_p99_s"] <= 0.001
     throughput_met = ours["requests_per_s"] >= 2000
     peer = peer_comparison(ours, sweep) if sweep else None
+    if peer is not None:
+        best = {key: (row["policy"], row["worker_threads"]) for key, row in peer["best"].items()}
+        peer["added_p99_ratio_ci95"] = intervals(arms[COSERVE], arms[best["added_p99_s"]], direct)[
+            "added_p99_ratio_ci95"]  # fmt: skip
+        peer["cpu_per_request_ratio_ci95"] = intervals(arms[COSERVE], arms[best["cpu_s_per_request"]], direct).get(
+            "cpu_per_request_ratio_ci95")  # fmt: skip
     table = Table("", [("p50 ms", 9), ("p99 ms", 9), ("+p50 ms", 9), ("+p99 ms", 9), ("req/s", 8),
                        ("CPU ms/req", 12)], label_width=34, fmt="{:.3f}")  # fmt: skip
-    table.row("direct", d50 * 1000, d99 * 1000, "", "", show(direct.requests_per_s, "{:.0f}"))
-    for label, row in [(f"coserve ({args.replicas} replicas)", ours)] + [
-        (f"vllm-router {r['policy']}, {r['worker_threads']} thr", r) for r in sweep
-    ]:
+    table.row(f"direct (x{args.repetitions})", d50 * 1000, d99 * 1000, "", "", show(direct.requests_per_s, "{:.0f}"))
+    for name, row in [(f"coserve ({args.replicas} proc)", ours)] + [(label((r["policy"], r["worker_threads"])), r)
+                                                                      for r in sweep]:  # fmt: skip
         latencies = [row[k] * 1000 for k in ("p50_s", "p99_s", "added_p50_s", "added_p99_s")]
-        table.row(label, *latencies, show(row["requests_per_s"], "{:.0f}"), row["cpu_s_per_request"] * 1000)
+        table.row(name, *latencies, show(row["requests_per_s"], "{:.0f}"), row["cpu_s_per_request"] * 1000)
+    repetitions = [{label(key): arm.figures(run["direct"]) for key, arm in run.items() if key != "direct"}
+                   for run in runs]  # fmt: skip
     print(f"target: <= 1 ms added at p99 {'met' if latency_met else 'NOT met'}; "
           f">= 2000 requests/s {'met' if throughput_met else 'NOT met'}")  # fmt: skip
     if peer is not None:
         p99, cpu, rps = (show(peer[k]) for k in ("added_p99_ratio", "cpu_per_request_ratio", "requests_per_s_ratio"))
-        print(f"vs vllm-router's best: added p99 {p99}x (target <= {PEER_P99_RATIO}x: "
-              f"{'met' if peer['added_p99_met'] else 'NOT met'}); CPU per request {cpu}x (target <= "
-              f"{PEER_CPU_RATIO}x: {'met' if peer['cpu_met'] else 'NOT met'}); requests/s {rps}x")  # fmt: skip
+        keys = ("added_p99_ratio_ci95", "cpu_per_request_ratio_ci95")
+        p99_ci, cpu_ci = (peer[k] or [math.nan, math.nan] for k in keys)
+        print(f"vs vllm-router's best: added p99 {p99}x [{show(p99_ci[0])}, {show(p99_ci[1])}] (target <= "
+              f"{PEER_P99_RATIO}x: {'met' if peer['added_p99_met'] else 'NOT met'}); CPU per request {cpu}x "
+              f"[{show(cpu_ci[0])}, {show(cpu_ci[1])}] (target <= {PEER_CPU_RATIO}x: "
+              f"{'met' if peer['cpu_met'] else 'NOT met'}); requests/s {rps}x")  # fmt: skip
+    if profile:
+        print("where coserve's router CPU goes (py-spy, innermost Python frame):")
+        for place, share in profile.items():
+            print(f"  {share:6.1%}  {place}")
     met = latency_met and throughput_met and (peer is None or (peer["added_p99_met"] and peer["cpu_met"]))
     write_result(
         "router_overhead",
@@ -431,8 +611,8 @@ def report(
             "benchmark": "router_overhead",
             "target": (
                 "<= 1 ms added latency at p99 at 500 requests/s; >= 2,000 requests/s non-streaming; against "
-                f"vllm-router's best configuration: added p99 <= {PEER_P99_RATIO}x, CPU per request <= "
-                f"{PEER_CPU_RATIO}x"
+                f"vllm-router's best configuration, matched (the same number of processes on the same core): "
+                f"added p99 <= {PEER_P99_RATIO}x, CPU per request <= {PEER_CPU_RATIO}x"
             ),
             "met": bool(met),
             "latency_met": bool(latency_met),
@@ -443,6 +623,8 @@ def report(
             "added_p99_s": ours["added_p99_s"],
             "router": ours,
             "vs_vllm_router": peer,
+            "cpu_profile": profile,
+            "repetitions": repetitions,
             "baseline": {
                 "name": "direct to the upstream",
                 "p50_s": d50,
@@ -450,8 +632,8 @@ def report(
                 "requests_per_s": direct.requests_per_s,
             },
             "vllm_router": {
-                "name": "vllm-router (vLLM's router, Rust): one process on the router core, policy x tokio "
-                "worker threads swept",
+                "name": f"vllm-router (vLLM's router, Rust): {args.replicas} process(es) on the router core, "
+                "policy x tokio worker threads swept",
                 "version": importlib.metadata.version("vllm-router"),
                 "sweep": sweep,
             },
@@ -460,11 +642,14 @@ def report(
                 "rate_per_s": args.rate,
                 "seconds": args.seconds,
                 "concurrency": args.concurrency,
-                "router_replicas": args.replicas,
-                "workload": f"chat conversations of {args.turns} turns, each turn to the next replica in turn, "
+                "repetitions": args.repetitions,
+                "router_processes": args.replicas,
+                "workload": f"chat conversations of {args.turns} turns, each turn to the next process in turn, "
                 f"each with an {SESSION_HEADER} header",
                 "cpu_per_request": "user + system CPU of the router processes (all threads, /proc) over the "
-                f"{args.rate:.0f} requests/s window, divided by the requests it served",
+                f"{args.rate:.0f} requests/s window, divided by the requests it served; the interval resamples "
+                "one-second slices of that window",
+                "added_p99_interval": "bootstrap over the pooled latencies of coserve, the peer and direct",
                 "machine": (
                     f"{len(cores)} cores, loopback; "
                     + (

@@ -51,3 +51,25 @@ def test_vllm_router_runs_over_the_upstream_without_health_checks_during_the_run
     assert command[command.index("--worker-urls") :] == ["--worker-urls", "http://up"]
     assert command[command.index("--health-check-interval-secs") + 1] == "3600"
     assert command[command.index("--log-level") + 1] == "error"  # warning logs every request
+
+
+def test_the_profile_is_attributed_by_the_innermost_frame(router_overhead: ModuleType) -> None:
+    raw = "\n".join([
+        "main (coserve/cli/main.py:1);run (uvicorn/main.py:2);data_received (uvicorn/protocols/http/x.py:3) 6",
+        "run (asyncio/runners.py:118) 3",
+        "forward (coserve/router/upstream.py:9);post (aiohttp/client.py:1) 1",
+    ])  # fmt: skip
+    shares = router_overhead.attribute(raw)
+    assert shares == {"HTTP server (uvicorn, httptools)": 0.6, "event loop (asyncio, uvloop)": 0.3,
+                      "HTTP client to the engines (aiohttp)": 0.1}  # fmt: skip
+
+
+def test_the_ratios_intervals_hold_the_ratio_of_a_clear_difference(router_overhead: ModuleType) -> None:
+    arm = router_overhead.Arm
+    direct = arm([0.001 + 0.0001 * (i % 100) / 100 for i in range(1000)], 0.0, 0.0)
+    ours = arm([x + 0.002 for x in direct.latencies], 0.4, 0.0, [(0.04, 100)] * 10)  # 0.4 ms per request
+    theirs = arm([x + 0.001 for x in direct.latencies], 0.2, 0.0, [(0.02, 100)] * 10)  # 0.2 ms per request
+    found = router_overhead.intervals(ours, theirs, direct)
+    low, high = found["added_p99_ratio_ci95"]
+    assert low <= 2.0 <= high and high - low < 0.5
+    assert found["cpu_per_request_ratio_ci95"] == [2.0, 2.0]  # identical slices: no spread
