@@ -52,7 +52,7 @@ from harness.sweep import best_of
 from harness.workload import TRACES
 from simulator_at_scale import ONLINE, ONLINE_ATTAINMENT, lifetimes, online_attainment
 
-from coserve.api.spec import SpecModel
+from coserve.api.spec import PoolShape, SpecModel
 from coserve.api.status import Plan
 from coserve.bench.workload import Conversation, from_azure, from_mooncake
 from coserve.cli.manifest import load_pool, load_profile, read_file
@@ -103,8 +103,12 @@ class Engine:
             [c.model_dump(by_alias=True, exclude_none=True) for c in self.spec.priority_classes]
         ).get(ONLINE)
 
-    def spec_for(self, workload: dict[str, Any], rate: float, *, single_turn: bool = False) -> SpecModel:
-        """The pool spec for ``workload`` at ``rate``; ``single_turn``: as the model counted before (the baseline)."""
+    def spec_for(
+        self, workload: dict[str, Any], rate: float, *, single_turn: bool = False,
+        shape: PoolShape = PoolShape.DISAGGREGATED,
+    ) -> SpecModel:  # fmt: skip
+        """The pool spec for ``workload`` at ``rate``; ``single_turn``: as the model counted before (the baseline);
+        ``shape``: P/D, whose sizing and routing this checks (``Auto``: the shape the plan itself would take)."""
         fields = {
             "arrival_rate_per_s": rate,
             "input_tokens": workload["input_tokens"],
@@ -121,11 +125,14 @@ class Engine:
             live = workload["input_tokens"] + workload["output_tokens"]  # the old default liveContextTokens
             profile = profile.model_copy(update={"live_context_tokens": live})
         return self.spec.model_copy(
-            update={"workload": self.spec.workload.model_copy(update=fields), "profile": profile}
+            update={"workload": self.spec.workload.model_copy(update=fields), "profile": profile, "shape": shape}
         )
 
-    def plan(self, workload: dict[str, Any], rate: float, *, single_turn: bool = False) -> Plan:
-        return plan_for(self.spec_for(workload, rate, single_turn=single_turn), self.profile)
+    def plan(
+        self, workload: dict[str, Any], rate: float, *, single_turn: bool = False,
+        shape: PoolShape = PoolShape.DISAGGREGATED,
+    ) -> Plan:  # fmt: skip
+        return plan_for(self.spec_for(workload, rate, single_turn=single_turn, shape=shape), self.profile)
 
     def decode_tps(self, workload: dict[str, Any], rate: float) -> float:
         """T_d as the plan priced it (the cost model at B requests of the live context each)."""
@@ -280,6 +287,11 @@ def case(engine: Engine, trace: Trace) -> dict[str, Any]:
     worst = best_of(up_to, "attainment")  # the lowest attainment up to the target
     diagnosis = None if slo_met else diagnose(engine, plan, trace.at_rate(target * worst["factor"]), worst["factor"])
     prefiller_first = all(r["first_bottleneck"] == "Prefiller" for r in past)
+    auto = engine.plan(workload, target, shape=PoolShape.AUTO)
+    auto_at_target = None
+    if auto.aggregated:  # the plan itself would run aggregated engines: how they fare at the target
+        say(f"plan_check {label}: the plan picks {auto.decoders} aggregated engines; replaying them at 1.0x")
+        auto_at_target = row(1.0, target, engine.run(auto, trace.at_rate(target)), t_d)
     return {
         "trace": trace.name,
         "profile": engine.name,
@@ -287,6 +299,11 @@ def case(engine: Engine, trace: Trace) -> dict[str, Any]:
         "speedup_over_trace": target / trace.rate_per_s,
         "workload": workload,
         "plan": plan_figures(plan, t_d),
+        "plans_own_shape": {
+            "what": "the shape spec.shape Auto takes for this workload; this check sizes and routes the P/D pool",
+            "plan": plan_figures(auto, t_d),
+            "at_target": auto_at_target,
+        },
         "slo_met_up_to_target": slo_met,
         "worst_attainment_up_to_target": min(r["attainment"] for r in up_to),
         "prefiller_saturates_first": prefiller_first,
@@ -370,6 +387,7 @@ def plan_figures(plan: Plan, decode_tps: float) -> dict[str, Any]:
         "kv_held_s": plan.kv_held_s,
         "kv_slots_per_decoder": plan.kv_slots_per_decoder,
         "utilization": plan.utilization.model_dump(by_alias=True),
+        "shapes": plan.shapes.model_dump(by_alias=True) if plan.shapes is not None else None,
         "explanation": plan.explanation,
     }
 

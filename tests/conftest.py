@@ -39,6 +39,7 @@ def sanity_document(**workload: Any) -> dict[str, Any]:
                 "kvCapacityTokens": 300_000,
             },
             "headroom": 1.0,
+            "shape": "Disaggregated",  # the paper's P/D case (aggregated engines would sustain more: test_shape)
         },
     }
 

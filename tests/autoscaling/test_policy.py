@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from coserve.api.parse import parse_pool
 from coserve.api.problems import InvalidInput
-from coserve.api.spec import SpecModel
+from coserve.api.spec import PoolShape, SpecModel
 from coserve.autoscaling.policy import Decision, Recommendation, Replicas, Signals, Thresholds, decide
 from coserve.provisioning import plan_for
 from pool_builders import sample_pool
@@ -236,3 +236,15 @@ def test_the_guards_and_a_zero_up_tolerance_still_add_at_once() -> None:
         SPEC, Signals(arrival_rate_per_s=4.9), Replicas(1, 3), 0.0, thresholds=replace(LIMITS, up_tolerance=0)
     )
     assert eager.replicas == Replicas(2, 5)
+
+
+def test_an_aggregated_pool_scales_its_engines_and_never_adds_prefillers() -> None:
+    """The pool keeps the shape its spec's plan takes while the model re-plans with measured numbers: a busy,
+    growing prefiller queue (a stale signal: there are no prefillers) adds none."""
+    spec = SPEC.model_copy(update={"shape": PoolShape.AGGREGATED})
+    busy = Signals(arrival_rate_per_s=8.0, prefiller_queue=9.0)
+    decision = decide(spec, busy, Replicas(0, 2), 1000.0, thresholds=LIMITS, last_prefiller_queue=5.0)
+    assert decision.replicas.prefillers == 0 and decision.recommended.prefillers == 0
+    assert decision.replicas.decoders > 2
+    assert decision.replicas.decoders == plan_for(spec.model_copy(update={"workload": spec.workload.model_copy(
+        update={"arrival_rate_per_s": 8.0 * LIMITS.rate_headroom})})).decoders  # fmt: skip

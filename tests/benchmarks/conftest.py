@@ -91,3 +91,8 @@ def plan_check() -> Iterator[ModuleType]:
 def torch_check() -> Iterator[ModuleType]:
     """benchmarks/gpu/torch_check.py imported as a module (it puts ``src/`` and ``benchmarks/`` on sys.path)."""
     yield from _script("torch_check", GPU_DIR)
+
+
+@pytest.fixture(scope="module")
+def simulator_at_scale() -> Iterator[ModuleType]:
+    yield from _script("simulator_at_scale")

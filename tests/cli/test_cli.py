@@ -23,6 +23,9 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+ROWS = ("shape", "prefillers", "engines", "decoders", "bottleneck")
+
+
 def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "plan", POOL)
     assert (code, err) == (0, "")
@@ -30,9 +33,13 @@ def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     lines = {
         line.split()[0]: line.split()[1]
         for line in out.splitlines()
-        if line.startswith("  ") and line.split() and line.split()[0] in ("prefillers", "decoders", "bottleneck")
+        if line.startswith("  ")
+        and line.split()
+        and line.split()[0] in ("shape", "prefillers", "engines", "bottleneck")
     }
-    assert lines == {"prefillers": "1", "decoders": "3", "bottleneck": "Prefiller"}
+    # one prefiller would saturate at 1.653/s with 3 decoders; 4 engines that prefill their own sustain 2.524/s
+    assert lines == {"shape": "Aggregated", "prefillers": "0", "engines": "4", "bottleneck": "DecoderThroughput"}
+    assert "P/D 1.653 conv/s against aggregated 2.524 on 4 engines" in out
     assert "Why:" in out and "R* = T_p / L_in" in out
 
 
@@ -43,7 +50,8 @@ def test_plan_machine_readable(capsys: pytest.CaptureFixture[str], fmt: str) -> 
     assert code == 0
     assert document["name"] == "agents" and document["namespace"] == "llm"
     plan = document["plan"]
-    assert (plan["prefillers"], plan["decoders"], plan["bindingConstraint"]) == (1, 3, "DecoderThroughput")
+    assert (plan["prefillers"], plan["decoders"], plan["bindingConstraint"]) == (0, 4, "DecoderThroughput")
+    assert plan["shapes"]["shape"] == "Aggregated" and plan["shapes"]["engines"] == 4
     assert plan["saturationRatePerS"] == pytest.approx(15_000 / (0.02 + 3.6e-5 * 15_000 + 2e-10 * 15_000**2) / 15_000)
 
 
@@ -52,7 +60,7 @@ def test_plan_reads_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(Path(POOL).read_bytes())))
     code, out, _ = run(capsys, "plan", "-", "-o", "json")
-    assert code == 0 and json.loads(out)["plan"]["decoders"] == 3
+    assert code == 0 and json.loads(out)["plan"]["decoders"] == 4
 
 
 def test_plan_with_measured_profile(capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,7 +86,7 @@ def test_render_prints_the_operator_objects(capsys: pytest.CaptureFixture[str]) 
     kinds = [(o["kind"], o["metadata"]["name"]) for o in objects]
     assert ("Deployment", "agents-prefiller") in kinds and ("Deployment", "agents-decoder") in kinds
     replicas = {o["metadata"]["name"]: o["spec"]["replicas"] for o in objects if o["kind"] == "Deployment"}
-    assert replicas["agents-prefiller"] == 1 and replicas["agents-decoder"] == 3
+    assert replicas["agents-prefiller"] == 0 and replicas["agents-decoder"] == 4  # aggregated engines
 
 
 def test_render_json_list(capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,4 +133,4 @@ def test_console_script_entry_point_runs() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["plan"]["prefillers"] == 1
+    assert json.loads(result.stdout)["plan"]["prefillers"] == 0  # aggregated (test_plan_table)

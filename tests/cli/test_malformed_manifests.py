@@ -263,8 +263,8 @@ CASES: list[Case] = [
     bad("arrival-rate-10e30", "spec.workload.arrivalRatePerS", 10**30),
     bad("input-tokens-10e12", "spec.workload.inputTokens", 10**12),
     bad(
-        "rate-needs-over-10000-replicas", "spec.workload.arrivalRatePerS", 100_000, lines=2, crd=ACCEPT
-    ),  # too many prefillers and too many decoders
+        "rate-needs-over-10000-replicas", "spec.workload.arrivalRatePerS", 100_000, lines=1, crd=ACCEPT
+    ),  # too many engines (the example plans aggregated engines: no prefillers)
     bad("decode-throughput-1e-300", "spec.profile.decodeThroughputTokensPerS", 1e-300),
     mutated(
         "per-token-s-subnormal",

@@ -71,7 +71,9 @@ def delta(after: dict[str, float], before: dict[str, float], source: str) -> flo
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    objects = render(yaml.safe_load(EXAMPLE.read_text()))
+    document = yaml.safe_load(EXAMPLE.read_text())
+    document["spec"]["shape"] = "Disaggregated"  # the P/D topology (the example's own plan takes aggregated engines)
+    objects = render(document)
     model = build_tiny_model(Path(os.environ.get("COSERVE_TEST_MODELS", tmp_path_factory.mktemp("models"))))
     why_not = PodNetwork.unavailable()
     if why_not is not None:

@@ -1084,3 +1084,31 @@ async def test_a_status_decided_from_a_pool_that_changed_since_is_refused_and_de
     await QuietReconciler(server, cached(world)).reconcile("llm", "assistant")
     assert server.sent == [(KIND, "assistant", "status", stale, 409), (KIND, "assistant", "status", theirs, 200)]
     assert server.objects[(KIND, "assistant")]["status"]["conditions"]
+
+
+# --- the pool's shape across an upgrade ------------------------------------------------------------------------
+
+
+def test_an_upgrade_keeps_a_running_pool_s_shape_and_an_edited_spec_takes_the_plans() -> None:
+    """``examples/pool.yaml`` as the server stored it (planned P/D before shapes existed). Its spec defaults to
+    Auto, and aggregated engines would sustain more: the upgrade keeps P/D and says so; once its owner edits the
+    spec (a new generation), the plan takes aggregated engines: the prefillers go to 0 and the router stops
+    looking for them."""
+    body = pool_body("llm", "agents")
+    observed = observed_for("llm", "agents", "kubectl-lists")
+    kept = decide(body, observed)
+    assert actions(kept) == []
+    shapes = kept.status["plan"]["shapes"]
+    assert shapes["shape"] == "Disaggregated" and shapes["aggregatedRatePerS"] > shapes["disaggregatedRatePerS"]
+    assert shapes["reason"].startswith("kept Disaggregated: the spec has not changed")
+
+    edited = copy.deepcopy(body)
+    edited["metadata"]["generation"] += 1
+    edited["spec"]["headroom"] = 1.6
+    moved = decide(edited, observed)
+    assert moved.status["plan"]["shapes"]["shape"] == "Aggregated" and moved.status["plan"]["prefillers"] == 0
+    patches = {(a.kind, a.name): a for a in moved.actions if a.verb == "patch"}
+    assert patches[("Deployment", "agents-prefiller")].body["spec"]["replicas"] == 0
+    router = json.loads(patches[("ConfigMap", "agents-config")].body["data"]["router.json"])
+    assert "prefillerService" not in router
+    assert "Planned" in [event.reason for event in moved.events]

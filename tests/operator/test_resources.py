@@ -1415,3 +1415,22 @@ def test_engines_with_a_model_cache_share_its_group_and_the_download_is_restrict
         "fsGroupChangePolicy": "OnRootMismatch",
     }
     assert pod["initContainers"][0]["securityContext"] == pod["containers"][0]["securityContext"]
+
+
+def test_an_aggregated_pool_runs_no_prefillers_and_its_router_looks_for_none() -> None:
+    """The shape decides two things only: the prefillers' replicas (0) and the router's prefiller Service (none,
+    so the decoders prefill every turn); the prefiller Deployment and Service stay, for a change back."""
+    by_shape = {}
+    for shape in ("Aggregated", "Disaggregated"):
+        pool = parse_pool(make_pool(shape=shape))
+        plan = plan_for(pool.spec)
+        children = {(c["kind"], c["metadata"]["name"]): c for c in build_children(pool, plan)}
+        by_shape[shape] = (plan, children, json.loads(children[("ConfigMap", "chat-config")]["data"]["router.json"]))
+    plan, children, router = by_shape["Aggregated"]
+    assert plan.prefillers == 0 and plan.aggregated
+    assert children[("Deployment", "chat-prefiller")]["spec"]["replicas"] == 0
+    assert ("Service", "chat-prefiller") in children
+    assert "prefillerService" not in router and router["decoderService"]
+    plan, children, router = by_shape["Disaggregated"]
+    assert children[("Deployment", "chat-prefiller")]["spec"]["replicas"] == plan.prefillers >= 1
+    assert router["prefillerService"]

@@ -197,7 +197,9 @@ def test_the_command_mixes_classes_harvests_offline_work_autoscales_and_plots(tm
     assert report["classes"]["standard"]["requests"] > report["classes"]["interactive"]["requests"]
     assert report["offline_tokens_per_s"] > 0
     assert report["setup"]["autoscale"] and report["replicas"]["series"]
-    assert report["plan"]["bottleneck"] == "Prefiller" and report["first_bottleneck"] is not None
+    # examples/pool.yaml plans aggregated engines with the H100 profile: the simulated pool runs no prefillers
+    assert report["plan"]["shape"] == "Aggregated" and report["plan"]["prefillers"] == 0
+    assert report["plan"]["bottleneck"] == "DecoderThroughput" and report["first_bottleneck"] is not None
     assert (tmp_path / "sim.png").stat().st_size > 10_000
     bad = subprocess.run([*command, "--class-mix", "gold=1"], capture_output=True, text=True, check=False, cwd=ROOT)
     assert bad.returncode == 2 and "--class-mix: unknown class 'gold'" in bad.stderr
@@ -348,4 +350,5 @@ def test_affinity_keeps_a_conversation_on_the_engine_its_hash_names_which_comput
     later = [r for r in records if r.turn > 0]
     assert all(r.request.cached >= 400 and not r.moved for r in later)  # the earlier turn was in its cache
     with pytest.raises(ValueError, match="one prefiller unless"):
-        SimConfig(prefillers=0, decoders=1, cost_model=COST, kv_capacity_tokens=1000)
+        SimConfig(prefillers=0, decoders=1, cost_model=COST, kv_capacity_tokens=1000, placement="per-turn")
+    SimConfig(prefillers=0, decoders=1, cost_model=COST, kv_capacity_tokens=1000)  # aggregated: conversation placement

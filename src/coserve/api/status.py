@@ -13,6 +13,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from coserve.api._base import ApiModel
+from coserve.api.spec.pool import PoolShape
 
 __all__ = [
     "DEPRECATED_AUTOSCALING_FIELDS",
@@ -97,10 +98,30 @@ class PlanUtilization(ApiModel):
     )
 
 
+class ShapeComparison(ApiModel):
+    """P/D against aggregated engines on the same engines: each shape's sustainable rate and its limit."""
+
+    shape: PoolShape = Field(description="shape is the one the pool takes: Disaggregated or Aggregated.")
+    engines: int = Field(ge=1, description="engines is the count both shapes are compared on (the P/D plan's).")
+    disaggregated_rate_per_s: float = Field(
+        ge=0, description="disaggregatedRatePerS is what the P/D plan's prefillers and decoders sustain."
+    )
+    disaggregated_limit: str = Field(description="disaggregatedLimit is the limit that sets it.")
+    aggregated_rate_per_s: float = Field(
+        ge=0, description="aggregatedRatePerS is what as many aggregated engines sustain."
+    )
+    aggregated_limit: str = Field(
+        description="aggregatedLimit is the limit that sets it: DecoderThroughput, DecoderMemory or TPOT."
+    )
+    reason: str = Field(description="reason is why the pool takes its shape, with both figures.")
+
+
 class Plan(ApiModel):
     """The provisioning model's answer for a spec: replica counts and why."""
 
-    prefillers: int = Field(ge=1, description="prefillers is the number of prefiller replicas M.")
+    prefillers: int = Field(
+        ge=0, description="prefillers is the number of prefiller replicas M (0 when the shape is Aggregated)."
+    )
     decoders: int = Field(ge=1, description="decoders is the number of decoder replicas N.")
     prefill_throughput_tokens_per_s: float = Field(
         ge=0, description="prefillThroughputTokensPerS is T_p, one prefiller's throughput at inputTokens."
@@ -149,8 +170,16 @@ class Plan(ApiModel):
     )
     bottleneck: Bottleneck = Field(description="bottleneck is the resource that saturates first as load rises.")
     utilization: PlanUtilization = Field(description="utilization at the target arrival rate.")
+    shapes: ShapeComparison | None = Field(
+        default=None, description="shapes compares P/D with aggregated engines and says which the pool takes."
+    )
     explanation: list[str] = Field(default_factory=list, description="explanation of each number, for humans.")
     warnings: list[str] = Field(default_factory=list, description="warnings about the spec that do not block the plan.")
+
+    @property
+    def aggregated(self) -> bool:
+        """The pool runs aggregated engines only (its decoders prefill every turn; no prefillers)."""
+        return self.shapes is not None and self.shapes.shape is PoolShape.AGGREGATED
 
 
 class RoleReplicas(ApiModel):

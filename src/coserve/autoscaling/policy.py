@@ -22,7 +22,8 @@ Rules, in order:
    the mean queue per prefiller is at or above ``queue_high`` and grew since
    the last evaluation, at least ``current + step``. The guard catches what the
    model misses (a profile slower than measured, a burst inside the rate window).
-3. **Bounds.** Each role within its ``[minReplicas, maxReplicas]``.
+3. **Bounds.** Each role within its ``[minReplicas, maxReplicas]``. The pool keeps the shape its spec's
+   plan takes (``spec.shape``); an aggregated pool has no prefillers to scale.
 4. **Stability.** Scale up at once, unless only the model asks and the
    current replicas cover its need within ``up_tolerance`` (10 %): the same
    model with both margins (``rate_headroom``, the spec's headroom) that much
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from coserve.api.problems import InvalidInput
+from coserve.api.spec import PoolShape
 from coserve.provisioning import plan_for
 
 if TYPE_CHECKING:
@@ -209,6 +211,7 @@ def decide(
     """One evaluation (module rules). ``InvalidInput`` when the model rejects the measured workload (a
     conversation larger than a decoder's KV cache, say); the caller holds and reports it."""
     limits = thresholds or Thresholds()
+    spec, limits = _in_its_shape(spec, profile, limits)
     recommended, why = _proactive(spec, profile, signals, limits, current)
     reasons = [why]
     tolerated = _covered_within_tolerance(spec, profile, signals, limits, current, recommended)
@@ -259,6 +262,20 @@ def decide(
     final = _bounded(Replicas(chosen["prefillers"], chosen["decoders"]), limits)
     return Decision(final, recommended, tuple(reasons), _prune(history, now, limits.stabilization_window_s), kv_high,
                     queue)  # fmt: skip
+
+
+def _in_its_shape(spec: SpecModel, profile: EngineProfile | None, limits: Thresholds) -> tuple[SpecModel, Thresholds]:
+    """The spec with the shape its own plan takes, kept while the model re-plans with measured numbers (a shape
+    changes with the spec, not with a measurement); an aggregated pool's prefillers are held at 0."""
+    shapes = plan_for(spec, profile).shapes
+    if shapes is None:
+        return spec, limits
+    pinned = spec.model_copy(update={"shape": shapes.shape})
+    if shapes.shape is not PoolShape.AGGREGATED:
+        return pinned, limits
+    none = {"prefillers": 0}
+    return pinned, replace(limits, min_replicas=replace(limits.min_replicas, **none),
+                           max_replicas=replace(limits.max_replicas, **none))  # fmt: skip
 
 
 def _covered_within_tolerance(

@@ -526,17 +526,34 @@ def _dump(document: Any, output: str, stream: TextIO) -> None:
 def _print_table(pool: CoServePool, plan: Plan, stream: TextIO) -> None:
     spec = pool.spec
     namespace = pool.metadata.namespace or "default"
+    shapes = plan.shapes
     rows = [
+        *(
+            [
+                (
+                    "shape",
+                    shapes.shape.value,
+                    f"P/D {shapes.disaggregated_rate_per_s:.4g} conv/s against aggregated "
+                    f"{shapes.aggregated_rate_per_s:.4g} on {shapes.engines} engines",
+                )
+            ]
+            if shapes is not None
+            else []
+        ),
         (
             "prefillers",
             str(plan.prefillers),
-            f"one saturates at R* = {plan.saturation_rate_per_s:.4g} conv/s; "
+            "none: every engine prefills its own conversations"
+            if plan.aggregated
+            else f"one saturates at R* = {plan.saturation_rate_per_s:.4g} conv/s; "
             f"the pool at {plan.pool_saturation_rate_per_s:.4g}",
         ),
         (
-            "decoders",
+            "engines" if plan.aggregated else "decoders",
             str(plan.decoders),
-            f"{plan.binding_constraint.value} binds; "
+            f"aggregated: they saturate at {plan.pool_saturation_rate_per_s:.4g} conv/s"
+            if plan.aggregated
+            else f"{plan.binding_constraint.value} binds; "
             f"{plan.decoders_per_prefiller:.3g} per saturated prefiller before headroom",
         ),
         ("bottleneck", plan.bottleneck.value, "saturates first as load rises"),

@@ -143,7 +143,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = PoolSim(config, conversations, class_of, scaler=scaler).run()
     report = summarize(result, time.perf_counter() - started, profile.decode_throughput_tokens_per_s)
-    report["plan"] = {"prefillers": plan.prefillers, "decoders": plan.decoders, "bottleneck": str(plan.bottleneck)}
+    report["plan"] = {"prefillers": plan.prefillers, "decoders": plan.decoders, "bottleneck": str(plan.bottleneck),
+                      "shape": plan.shapes.shape.value if plan.shapes else None}  # fmt: skip
     report["setup"] = {"prefillers": config.prefillers, "decoders": config.decoders, "autoscale": args.autoscale,
                        "policy": args.policy, "routing": args.routing, "classes": mix,
                        "offline_concurrency": args.offline_concurrency, "cost_model": cost.to_dict(),

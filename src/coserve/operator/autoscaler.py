@@ -78,6 +78,7 @@ from coserve.api.parse import parse_pool
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import KIND, CoServePool
+from coserve.api.spec import PoolShape, SpecModel
 from coserve.api.status import (
     DEPRECATED_AUTOSCALING_FIELDS,
     AutoscalingSignals,
@@ -452,7 +453,7 @@ class Autoscaler:
         thresholds = thresholds_for(pool.spec)
         try:
             decision = decide(
-                pool.spec,
+                _in_planned_shape(pool.spec, body),
                 Signals(**values),
                 current,
                 self.clock().timestamp(),
@@ -641,6 +642,15 @@ def _decoder_pod(pod: Mapping[str, Any]) -> DecoderPod:
         ip=ip if isinstance(ip, str) and ip else None,
         cost=cost if isinstance(cost, str) else None,
     )
+
+
+def _in_planned_shape(spec: SpecModel, body: Mapping[str, Any]) -> SpecModel:
+    """``spec`` in the shape the reconciler planned (status.plan), which ``spec.shape: Auto`` leaves to it
+    (``coserve.operator.reconcile.kept_shape``): the autoscaler never scales a pool into the other shape."""
+    plan = _status_of(body).plan
+    if spec.shape is not PoolShape.AUTO or plan is None:
+        return spec
+    return spec.model_copy(update={"shape": plan.shapes.shape if plan.shapes else PoolShape.DISAGGREGATED})
 
 
 def _status_of(body: Mapping[str, Any]) -> StatusModel:

@@ -74,6 +74,7 @@ from coserve.api.parse import parse_pool
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.profile import EngineProfile
 from coserve.api.resource import CoServePool
+from coserve.api.spec import PoolShape
 from coserve.api.status import (
     Condition,
     ConditionStatus,
@@ -171,7 +172,7 @@ def reconcile(
         pool = parse_pool({k: v for k, v in body.items() if k != "status"})
         if profile_problem is not None:
             raise InvalidInput([profile_problem])
-        plan = plan_for(pool.spec, measured_profile)
+        plan = plan_for(pool.spec, measured_profile, kept_shape=kept_shape(previous, generation))
     except InvalidInput as error:
         return _invalid(previous, generation, error.problems, now)
 
@@ -491,6 +492,17 @@ def _generation(body: Mapping[str, Any]) -> int | None:
     metadata = body.get("metadata")
     value = metadata.get("generation") if isinstance(metadata, Mapping) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def kept_shape(previous: StatusModel, generation: int | None) -> PoolShape | None:
+    """The shape a running pool keeps under ``spec.shape: Auto``: its last plan's, while the spec it was planned
+    for is the current one (the same generation). A plan from before shapes existed was P/D. ``None``: decide
+    afresh (a new pool, an edited spec). So an operator upgrade never changes a pool's shape by itself.
+
+    Who calls it: ``reconcile``; the autoscaler follows the shape in status (``coserve.operator.autoscaler``)."""
+    if previous.plan is None or generation is None or previous.observed_generation != generation:
+        return None
+    return previous.plan.shapes.shape if previous.plan.shapes is not None else PoolShape.DISAGGREGATED
 
 
 def _previous_status(raw: object) -> StatusModel:

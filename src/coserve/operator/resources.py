@@ -11,7 +11,7 @@ for them, see ``OPTIONAL_CHILDREN``)::
 
     ConfigMap             chat-config        engine.json (engines) and router.json (router)
     PersistentVolumeClaim chat-model-cache * the model cache, with spec.model.cache.size
-    Deployment            chat-prefiller     vLLM, kv_producer, plan.prefillers replicas
+    Deployment            chat-prefiller     vLLM, kv_producer, plan.prefillers replicas (0: aggregated)
     Deployment            chat-decoder       vLLM, kv_consumer, plan.decoders replicas
     Deployment            chat-router        `coserve router`, spec.router.replicas replicas
     Service               chat-router        ClusterIP, port 80 -> 8080, what clients call
@@ -220,7 +220,7 @@ def build_children(pool: CoServePool, plan: Plan, *, operator_image_tag: str | N
     left on the default image runs that tag, so router and operator stay in step
     (see ``router_image``).
     """
-    data = config_data(pool)
+    data = config_data(pool, aggregated=plan.aggregated)
     digest = config_hash(data)
     children = [
         _config_map(pool, data),
@@ -457,12 +457,15 @@ def engine_config(spec: SpecModel) -> dict[str, Any]:
     return config
 
 
-def router_config(pool: CoServePool) -> dict[str, Any]:
-    """What ``coserve router`` reads from ``ROUTER_CONFIG_PATH``: model name, engine Services, classes, offline."""
+def router_config(pool: CoServePool, *, aggregated: bool = False) -> dict[str, Any]:
+    """What ``coserve router`` reads from ``ROUTER_CONFIG_PATH``: model name, engine Services, classes, offline.
+
+    ``aggregated`` (the plan's shape): no prefiller Service, so the decoders prefill every turn themselves.
+    """
     spec = pool.spec
     return {
         "model": spec.model.served_model_name or spec.model.name,
-        "prefillerService": engine_service_host(pool, "prefiller"),
+        **({} if aggregated else {"prefillerService": engine_service_host(pool, "prefiller")}),
         "decoderService": engine_service_host(pool, "decoder"),
         "enginePort": ENGINE_PORT,
         "priorityClasses": [cls.to_wire() for cls in spec.priority_classes],
@@ -477,14 +480,15 @@ def router_config(pool: CoServePool) -> dict[str, Any]:
     }
 
 
-def config_data(pool: CoServePool) -> dict[str, str]:
+def config_data(pool: CoServePool, *, aggregated: bool = False) -> dict[str, str]:
     """The ConfigMap's ``data``: ``engine.json`` and ``router.json``, as sorted, indented JSON.
 
-    NOTE: replica counts stay out of it, so scaling a role never rolls every pod.
+    NOTE: replica counts stay out of it, so scaling a role never rolls every pod; the shape is in it (a router
+    of aggregated engines looks for no prefillers), so a change of shape rolls them once.
     """
     return {
         ENGINE_CONFIG_KEY: _to_json(engine_config(pool.spec)),
-        ROUTER_CONFIG_KEY: _to_json(router_config(pool)),
+        ROUTER_CONFIG_KEY: _to_json(router_config(pool, aggregated=aggregated)),
     }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from coserve.api.problems import InvalidInput
 from coserve.api.profile import EngineProfile
-from coserve.api.spec import SpecModel
+from coserve.api.spec import PoolShape, SpecModel
 from coserve.api.status import Plan
 from coserve.provisioning.model import MAX_REPLICAS_PER_ROLE, Capacities, make_plan
 from coserve.provisioning.profile import ResolvedProfile, resolve_profile
@@ -25,16 +25,17 @@ __all__ = [
 ]
 
 
-def plan_for(spec: SpecModel, measured: EngineProfile | None = None) -> Plan:
+def plan_for(spec: SpecModel, measured: EngineProfile | None = None, *, kept_shape: PoolShape | None = None) -> Plan:
     """Resolve the profile, check the spec, and make the plan; ``InvalidInput`` lists every problem.
 
     Who calls it: the CLI (``coserve plan``/``render``) and the operator's reconcile
-    handler, which turns ``InvalidInput`` into PlanValid=False.
+    handler, which turns ``InvalidInput`` into PlanValid=False, and passes ``kept_shape``,
+    the shape a running pool keeps until its spec changes.
     """
     profile = resolve_profile(spec, measured)
     problems = check_spec(spec, profile)
     if problems:
         raise InvalidInput(problems)
-    plan = make_plan(spec, profile)
+    plan = make_plan(spec, profile, kept_shape)
     plan.warnings = spec_warnings(spec) + plan.warnings
     return plan

@@ -36,10 +36,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from coserve.api.spec import SpecModel, WorkloadSpec
-from coserve.api.status import Bottleneck, Plan, PlanUtilization
+from coserve.api.spec import PoolShape, SpecModel, WorkloadSpec
+from coserve.api.status import Bottleneck, Plan, PlanUtilization, ShapeComparison
 from coserve.provisioning.decoders import DecoderLoad, decoder_loads, later_turn_context_tokens
 from coserve.provisioning.profile import ResolvedProfile
+from coserve.provisioning.shape import aggregated_engines, compare_shapes
 
 __all__ = ["MAX_REPLICAS_PER_ROLE", "Capacities", "make_plan"]
 
@@ -87,16 +88,21 @@ class _Sizing:
     decoders: int  # N
     capacities: Capacities
     warnings: tuple[str, ...]
+    shapes: ShapeComparison  # P/D against aggregated engines on M + N engines
+    turn1_prefill_s: float  # p_1: turn 1's prefill inside an aggregated engine's steps
 
 
-def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
-    """Size the pool described by ``spec`` with the engine speeds in ``profile``.
+def make_plan(spec: SpecModel, profile: ResolvedProfile, kept_shape: PoolShape | None = None) -> Plan:
+    """Size the pool described by ``spec`` with the engine speeds in ``profile`` (``kept_shape``: the shape a
+    running pool keeps under ``spec.shape: Auto``, ``coserve.provisioning.shape.compare_shapes``).
 
     Pure and deterministic. The caller has already run
     ``coserve.provisioning.validation.check_spec`` (a zero prefill latency or a KV
     cache smaller than one conversation would make this divide by zero).
     """
-    sized = _size(spec, profile)
+    sized = _size(spec, profile, kept_shape)
+    if sized.shapes.shape is PoolShape.AGGREGATED:
+        return _aggregated_plan(spec, profile, sized)
     load, rate = sized.load, spec.workload.arrival_rate_per_s
     return Plan(
         prefillers=sized.prefillers,
@@ -118,12 +124,61 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile) -> Plan:
             decoder_throughput=rate * load.work_s / sized.decoders,
             decoder_memory=rate * load.slot_s / sized.decoders,
         ),
-        explanation=_explanation(spec, profile, sized),
+        shapes=sized.shapes,
+        explanation=[*_explanation(spec, profile, sized), _shape_line(sized.shapes)],
         warnings=list(sized.warnings),
     )
 
 
-def _size(spec: SpecModel, profile: ResolvedProfile) -> _Sizing:
+def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) -> Plan:
+    """The plan for aggregated engines: no prefillers; engines for the target rate at the per-engine rate the
+    shape comparison found, with the spec's headroom (and autoscaling's decoder bounds)."""
+    load, rate, shapes = sized.load, spec.workload.arrival_rate_per_s, sized.shapes
+    warnings: list[str] = []
+    engines = aggregated_engines(spec, shapes)
+    scaling = spec.autoscaling
+    if scaling.enabled:
+        engines = _clamp("decoders", engines, scaling.decoders.min_replicas, scaling.decoders.max_replicas, warnings)
+    per_conversation_s = sized.turn1_prefill_s + load.work_s
+    limit = Bottleneck.DECODER_MEMORY if shapes.aggregated_limit == "DecoderMemory" else Bottleneck.DECODER_THROUGHPUT
+    return Plan(
+        prefillers=0,
+        decoders=engines,
+        prefill_throughput_tokens_per_s=sized.prefill_tps,
+        saturation_rate_per_s=sized.saturation_rate,
+        pool_saturation_rate_per_s=shapes.aggregated_rate_per_s / shapes.engines * engines,
+        design_rate_per_s=spec.headroom * rate,
+        kv_slots_per_decoder=load.kv_slots,
+        decoders_per_prefiller=sized.saturation_rate * load.per_rate,
+        decoder_prefill_tokens=load.prefill_tokens,
+        prefill_weight=load.weight(profile.decode_throughput_tokens_per_s),
+        kv_held_s=load.kv_held_s,
+        idle_kv=load.idle_kv,
+        binding_constraint=limit,
+        bottleneck=limit,
+        utilization=PlanUtilization(
+            prefiller=0.0,
+            decoder_throughput=rate * per_conversation_s / engines,
+            decoder_memory=rate * load.slot_s / engines,
+        ),
+        shapes=shapes,
+        explanation=[
+            *_explanation(spec, profile, sized),
+            _shape_line(shapes),
+            f"each aggregated engine also prefills its conversations' first turns, p_1 = "
+            f"{sized.turn1_prefill_s:.4g} s each, so a conversation costs {per_conversation_s:.4g} engine-s; "
+            f"engines = ceil(headroom · R / (rate per engine)) = ceil({spec.headroom:g} · {_rate(rate)} / "
+            f"{_rate(shapes.aggregated_rate_per_s / shapes.engines)}) = {engines}, and no prefillers",
+        ],
+        warnings=warnings,
+    )
+
+
+def _shape_line(shapes: ShapeComparison) -> str:
+    return f"shape {shapes.shape.value}: {shapes.reason}"
+
+
+def _size(spec: SpecModel, profile: ResolvedProfile, kept_shape: PoolShape | None = None) -> _Sizing:
     """The model's arithmetic: T_p and R*, M, the decoder load, the design rate, N, and the clamps."""
     workload = spec.workload
     rate = workload.arrival_rate_per_s
@@ -167,9 +222,11 @@ def _size(spec: SpecModel, profile: ResolvedProfile) -> _Sizing:
             f"the prefillers ({_rate(pool_saturation)}): traffic above "
             "that rate would queue where the router cannot see it; raise spec.headroom or enable autoscaling"
         )
+    turn1_prefill_s = profile.prefill_s(workload.input_tokens, 0.0) + profile.spread_s(workload.input_tokens_std_dev**2)
+    shapes = compare_shapes(spec, profile, load, prefillers, decoders, pool_saturation, turn1_prefill_s, kept_shape)
     return _Sizing(prefill_latency_s, prefill_tps, saturation_rate, kept, evicted, load, prefillers,
                    pool_saturation, design_rate, throughput_need, memory_need, binding, decoders, capacities,
-                   tuple(warnings))  # fmt: skip
+                   tuple(warnings), shapes, turn1_prefill_s)  # fmt: skip
 
 
 def _explanation(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) -> list[str]:

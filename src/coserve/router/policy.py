@@ -84,6 +84,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coserve.scheduling.requests import ClassRegistry, RequestClass
+from coserve.scheduling.steps import STEP_TOKENS, chunked_step_s
 
 __all__ = [
     "CONVERSATION_ID_HEADER",
@@ -354,11 +355,6 @@ def choose_gain_oriented(
     return min(healthy, key=lambda c: (c.occupancy(), c.waiting, c.url))
 
 
-# the most tokens an engine computes in one step: SlideConfig.max_tokens_per_step's default (a prefill of more
-# takes several steps, each paying the step's constant cost)
-STEP_TOKENS = 2048
-
-
 def first_token_s(
     engine: EngineLoad, prompt_tokens: int, latency: tuple[float, float, float], step_tokens: int = STEP_TOKENS,
     mean_prompt_tokens: float | None = None,
@@ -433,10 +429,9 @@ def local_prefill_step_s(
     decoder: EngineLoad, prompt_tokens: int, latency: tuple[float, float, float], step_tokens: int = STEP_TOKENS
 ) -> float:
     """How long each of ``decoder``'s steps lasts while it prefills ``prompt_tokens`` itself: a chunk of at most
-    ``step_tokens`` beside one token for each stream it decodes. Each stream's time between tokens, meanwhile."""
-    constant, linear, quadratic = latency
-    chunk = min(prompt_tokens, step_tokens)
-    return constant + linear * (chunk + decoder.decoding) + quadratic * chunk * chunk
+    ``step_tokens`` beside one token for each stream it decodes (``chunked_step_s``, the rule the plan's shape
+    choice reads too). Each stream's time between tokens, meanwhile."""
+    return chunked_step_s(latency, prompt_tokens, decoder.decoding, step_tokens)
 
 
 def choose_prefill_site(

@@ -160,9 +160,13 @@ class SimConfig:
             raise ValueError(f"routing: expected one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.prefill_site not in ("fastest", "prefiller"):
             raise ValueError(f"prefill_site: expected fastest or prefiller, got {self.prefill_site!r}")
-        if self.decoders < 1 or (self.placement not in _WITHOUT_PREFILLERS and self.prefillers < 1):
+        # conversation placement with the router's defaults takes an aggregated pool (no prefillers): every turn 1
+        # is prefilled on its decoder, as the router does when no prefiller is up
+        aggregated = self.placement == "conversation" and self.routing is None
+        if self.decoders < 1 or (self.placement not in _WITHOUT_PREFILLERS and self.prefillers < 1 and not aggregated):
             raise ValueError(
-                "a pool needs at least one decoder, and one prefiller unless placement is per-request or affinity"
+                "a pool needs at least one decoder, and one prefiller unless placement is per-request or affinity, "
+                "or conversation placement with the router's own routing (an aggregated pool)"
             )
 
 

@@ -98,6 +98,7 @@ from coserve.api.spec.pod_options import (
     PodOptions,
 )
 from coserve.api.spec.pool import (
+    PoolShape,
     SpecModel,
 )
 from coserve.api.spec.priority_classes import (
@@ -177,6 +178,7 @@ __all__ = [
     "ObjectRef",
     "OfflineSpec",
     "PodOptions",
+    "PoolShape",
     "PrefillLatencyCurve",
     "PriorityClassSpec",
     "ProfileSpec",

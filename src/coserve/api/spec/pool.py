@@ -7,6 +7,7 @@ env and mounts). ``coserve.api.resource`` wraps ``SpecModel`` in the CoServePool
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Self
 
 from pydantic import ConfigDict, Field, model_validator
@@ -26,6 +27,14 @@ from coserve.api.spec.workload import ProfileSpec, WorkloadSpec
 _HF_TOKEN_RULE_MESSAGE = "the operator sets HF_TOKEN from model.hfTokenSecretRef"  # noqa: S105 - not a secret
 _CACHE_MOUNT_RULE_MESSAGE = "model.cache.mountPath is where the operator mounts the model cache"
 _ENGINE_OPTION_PATHS = (("engine",), ("engine", "prefiller"), ("engine", "decoder"))
+
+
+class PoolShape(StrEnum):
+    """How a pool's engines split the work: what ``spec.shape`` asks for, and what the plan chose."""
+
+    AUTO = "Auto"  # the plan picks whichever of the two sustains the higher rate on the same engines
+    DISAGGREGATED = "Disaggregated"  # prefillers for turn 1, decoders for everything after (P/D)
+    AGGREGATED = "Aggregated"  # engines that prefill and decode their own conversations, no prefillers
 
 
 def _engine_option_lists(engine: EngineSpec) -> list[tuple[tuple[str, ...], EnginePodOptions]]:
@@ -82,6 +91,12 @@ class SpecModel(ApiModel):
     kv_offload: KVOffloadSpec = Field(default_factory=KVOffloadSpec, description="kvOffload configures KV offload.")
     autoscaling: AutoscalingSpec = Field(
         default_factory=AutoscalingSpec, description="autoscaling configures replica autoscaling."
+    )
+    shape: PoolShape = Field(
+        default=PoolShape.AUTO,
+        description="shape is Disaggregated (prefillers and decoders), Aggregated (engines that prefill and decode "
+        "their own conversations, no prefillers) or Auto: whichever the plan finds sustains the higher rate on the "
+        "same engines within the objectives (status.plan.shapes says both rates and why).",
     )
     router: RouterSpec = Field(default_factory=RouterSpec, description="router configures the router.")
     disruption: DisruptionSpec = Field(
