@@ -309,6 +309,8 @@ def pool_spec(rows: Sequence[TraceRow], scale: float, world: World) -> dict[str,
             # NOTE: nothing inline, so T_d comes from the profile's cost model at the pool's own operating
             # point (every KV slot decoding), not from the profiler's small decode batch
             "profile": {"configMapRef": {"name": PROFILE_CONFIG_MAP}},
+            # the P/D autoscaler against the rule (the plan's own shape choice is plan_check's and ttfet_at_scale's)
+            "shape": "Disaggregated",
             "priorityClasses": [
                 {"name": "standard", "weight": 1, "ttftSloMs": 1000 * ttft_slo_s, "tpotSloMs": TPOT_SLO_MS}
             ],

@@ -66,6 +66,7 @@ from coserve.api.resource import KIND
 from coserve.autoscaling.queries import queries_for
 from coserve.operator.autoscaler import Autoscaler
 from coserve.operator.cache import ObjectCache
+from coserve.operator.kube import KubeError
 from coserve.operator.reconcile import PoolEvent
 from coserve.operator.reconcile import reconcile as decide
 
@@ -475,10 +476,14 @@ class PatchCounter:
         self.patches: dict[str, int] = {}
 
     async def merge_patch(
-        self, kind: str, namespace: str, name: str, body: dict[str, Any], subresource: str | None = None
-    ) -> dict[str, Any]:
+        self, kind: str, namespace: str, name: str, body: dict[str, Any], subresource: str | None = None,
+        *, resource_version: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         key = f"{kind}/{subresource}" if subresource else kind
         self.patches[key] = self.patches.get(key, 0) + 1
+        current = (self.cache.get(kind, namespace, name) or {}).get("metadata") or {}
+        if resource_version is not None and resource_version != current.get("resourceVersion"):
+            raise KubeError(409, "Conflict", "the object has been modified")  # the API server's precondition
         self.version += 1
         stored: dict[str, Any] = merged(dict(self.cache.get(kind, namespace, name) or {}), body)
         stored["metadata"]["resourceVersion"] = str(self.version)
