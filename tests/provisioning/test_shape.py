@@ -93,3 +93,12 @@ def test_the_router_and_the_plan_read_one_step_rule() -> None:
     decoder.decoding = 30
     curve = (0.01, 1e-4, 1e-9)
     assert local_prefill_step_s(decoder, 5_000, curve) == chunked_step_s(curve, 5_000, 30)
+
+
+def test_an_autoscaled_aggregated_pool_is_told_its_prefiller_bounds_do_not_apply() -> None:
+    scaling = {"enabled": True, "prometheusUrl": "http://prometheus:9090",
+               "prefillers": {"minReplicas": 1, "maxReplicas": 4},
+               "decoders": {"minReplicas": 5, "maxReplicas": 8}}  # fmt: skip
+    plan = plan_with("Aggregated", autoscaling=scaling)
+    assert plan.prefillers == 0 and plan.decoders == 5  # within the decoders' bounds
+    assert any(w.startswith("spec.autoscaling.prefillers does not apply") for w in plan.warnings)

@@ -139,6 +139,10 @@ def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) 
     scaling = spec.autoscaling
     if scaling.enabled:
         engines = _clamp("decoders", engines, scaling.decoders.min_replicas, scaling.decoders.max_replicas, warnings)
+        warnings.append(
+            "spec.autoscaling.prefillers does not apply: the pool runs aggregated engines (no prefillers); "
+            "spec.autoscaling.decoders bounds them"
+        )
     per_conversation_s = sized.turn1_prefill_s + load.work_s
     limit = Bottleneck.DECODER_MEMORY if shapes.aggregated_limit == "DecoderMemory" else Bottleneck.DECODER_THROUGHPUT
     return Plan(
