@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from coserve.api.spec import PoolShape, SpecModel, WorkloadSpec
 from coserve.api.status import Bottleneck, Plan, PlanUtilization, ShapeComparison
@@ -111,12 +112,7 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile, kept_shape: PoolShape |
         saturation_rate_per_s=sized.saturation_rate,
         pool_saturation_rate_per_s=sized.pool_saturation,
         design_rate_per_s=sized.design_rate,
-        kv_slots_per_decoder=load.kv_slots,
-        decoders_per_prefiller=sized.saturation_rate * load.per_rate,
-        decoder_prefill_tokens=load.prefill_tokens,
-        prefill_weight=load.weight(profile.decode_throughput_tokens_per_s),
-        kv_held_s=load.kv_held_s,
-        idle_kv=load.idle_kv,
+        **_load_figures(profile, sized),
         binding_constraint=sized.binding,
         bottleneck=sized.capacities.first_bottleneck(),
         utilization=PlanUtilization(
@@ -152,12 +148,7 @@ def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) 
         saturation_rate_per_s=sized.saturation_rate,
         pool_saturation_rate_per_s=shapes.aggregated_rate_per_s / shapes.engines * engines,
         design_rate_per_s=spec.headroom * rate,
-        kv_slots_per_decoder=load.kv_slots,
-        decoders_per_prefiller=sized.saturation_rate * load.per_rate,
-        decoder_prefill_tokens=load.prefill_tokens,
-        prefill_weight=load.weight(profile.decode_throughput_tokens_per_s),
-        kv_held_s=load.kv_held_s,
-        idle_kv=load.idle_kv,
+        **_load_figures(profile, sized),
         binding_constraint=limit,
         bottleneck=limit,
         utilization=PlanUtilization(
@@ -176,6 +167,19 @@ def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) 
         ],
         warnings=warnings,
     )
+
+
+def _load_figures(profile: ResolvedProfile, sized: _Sizing) -> dict[str, Any]:
+    """The plan's fields on one conversation's decoder load, the same in either shape."""
+    load = sized.load
+    return {
+        "kv_slots_per_decoder": load.kv_slots,
+        "decoders_per_prefiller": sized.saturation_rate * load.per_rate,
+        "decoder_prefill_tokens": load.prefill_tokens,
+        "prefill_weight": load.weight(profile.decode_throughput_tokens_per_s),
+        "kv_held_s": load.kv_held_s,
+        "idle_kv": load.idle_kv,
+    }
 
 
 def _shape_line(shapes: ShapeComparison) -> str:
