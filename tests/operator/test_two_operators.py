@@ -199,6 +199,18 @@ def polled_lease(requests: list[kmocklib.Request], identity: str) -> int:
     return sum(1 for r in requests if who(r) == identity and plural(r) == "leases" and verb(r) == "GET")
 
 
+async def a_leads_and_b_stands_by(kmock: kmocklib.KubernetesEmulator, replicas: Replicas) -> None:
+    """A starts and takes the Lease; B starts, watches, and polls the Lease in vain."""
+    requests = lambda: list(kmock)  # noqa: E731 - every request so far, in arrival order
+    replicas.start("a")
+    replicas.alive.add("a")
+    await until(lambda: holder(kmock) == "a", "the Lease held by a", replicas, timeout_s=30)
+    await until(lambda: watching(requests(), "a"), "a's watches", replicas)
+    replicas.start("b")
+    replicas.alive.add("b")
+    await until(lambda: watching(requests(), "b") and polled_lease(requests(), "b") >= 2, "b standing by", replicas)
+
+
 async def edit_router_and_wait_until_put_back(
     client: httpx.AsyncClient, kmock: kmocklib.KubernetesEmulator, replicas: Replicas, by_hand: int
 ) -> None:
@@ -220,15 +232,7 @@ async def test_only_the_lease_holder_writes_and_the_other_takes_over(
     requests = lambda: list(kmock)  # noqa: E731 - every request so far, in arrival order
     started = time.monotonic()
 
-    # A starts and takes the Lease
-    replicas.start("a")
-    replicas.alive.add("a")
-    await until(lambda: holder(kmock) == "a", "the Lease held by a", replicas, timeout_s=30)
-    await until(lambda: watching(requests(), "a"), "a's watches", replicas)
-    # B starts, watches, and polls the Lease in vain
-    replicas.start("b")
-    replicas.alive.add("b")
-    await until(lambda: watching(requests(), "b") and polled_lease(requests(), "b") >= 2, "b standing by", replicas)
+    await a_leads_and_b_stands_by(kmock, replicas)
     await asyncio.sleep(0.3)  # the emulator subscribes a watch to changes just after its replay
     assert holder(kmock) == "a"
 
@@ -320,14 +324,7 @@ async def test_a_deposed_leader_s_late_writes_never_land(kmock: VersionedEmulato
     back to the old spec's replica count."""
     declare_resources(kmock)
     server = str(kmock.url).rstrip("/")
-    requests = lambda: list(kmock)  # noqa: E731
-    replicas.start("a")
-    replicas.alive.add("a")
-    await until(lambda: holder(kmock) == "a", "the Lease held by a", replicas, timeout_s=30)
-    await until(lambda: watching(requests(), "a"), "a's watches", replicas)
-    replicas.start("b")
-    replicas.alive.add("b")
-    await until(lambda: watching(requests(), "b") and polled_lease(requests(), "b") >= 2, "b standing by", replicas)
+    await a_leads_and_b_stands_by(kmock, replicas)
     async with httpx.AsyncClient(base_url=server, timeout=10) as client:
         response = await client.post(f"/apis/coserve.dev/v1alpha1/namespaces/{NS}/coservepools", json=POOL)
         assert response.status_code in (200, 201), response.text
