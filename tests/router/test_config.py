@@ -56,6 +56,17 @@ def test_the_router_json_the_operator_renders_parses(path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("per_token_s", [0.0, 5.2e-6, 1.0])
+def test_the_pools_kv_transfer_cost_reaches_the_router_as_set(per_token_s: float) -> None:
+    """``spec.router.kvTransferSPerToken`` is rendered into router.json and read back as the same number; unset
+    (0, the router's default) it is left out, so a pool's config, and its pods, stay as they were."""
+    document = yaml.safe_load((EXAMPLES_DIR / "pool.yaml").read_text())
+    document["spec"].setdefault("router", {})["kvTransferSPerToken"] = per_token_s
+    rendered = json.loads(config_data(parse_pool(document))[ROUTER_CONFIG_KEY])
+    assert ("kvTransferSPerToken" in rendered) == (per_token_s > 0)
+    assert parse_router_config(rendered).kv_transfer_s_per_token == per_token_s
+
+
 def test_defaults() -> None:
     config = parse_router_config(BASE)
 

@@ -477,6 +477,8 @@ def router_config(pool: CoServePool, *, aggregated: bool = False) -> dict[str, A
         # absent, it is false (a pool without a handoff keeps the config, and its pods, it had)
         **({"kvTransferParams": True} if router_sends_transfer_params(pool_handoff(spec)) else {}),
         **({"prefillLatency": spec.profile.prefill_latency.to_wire()} if spec.profile.prefill_latency else {}),
+        # absent when 0 (the router's default), so a pool that does not set it keeps the config it had
+        **({"kvTransferSPerToken": spec.router.kv_transfer_s_per_token} if spec.router.kv_transfer_s_per_token else {}),
     }
 
 

@@ -51,6 +51,15 @@ class RouterSpec(PodOptions):
         "holds offline batches (/v1/files, /v1/batches), so accepted batches survive the router's pods. "
         "Unset: an emptyDir per pod, which survives container restarts but not the pod.",
     )
+    kv_transfer_s_per_token: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="kvTransferSPerToken is what moving one prompt token's KV from a prefiller to a decoder costs, "
+        "in seconds: the KV bytes per token over the link's bytes per second (128 KiB over 25 GB/s: 5.2e-6). "
+        "The router adds it to a prefiller's predicted first token when it decides where turn 1 prefills. "
+        "0: not counted.",
+    )
 
     @model_validator(mode="after")
     def _mounts(self) -> Self:
