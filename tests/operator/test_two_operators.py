@@ -337,12 +337,14 @@ async def test_a_deposed_leader_s_late_writes_never_land(kmock: VersionedEmulato
         assert response.status_code == 200, response.text
         await until(lambda: kmock.waiting, "a's patch of the router, on its way", replicas)
         replicas.processes["a"].send_signal(signal.SIGSTOP)
-        paused = len(kmock.writes)
 
         # b takes over; the spec now asks for 3 routers, and b writes them
         response = await client.patch(f"{POOLS_URL}/chat", headers=MERGE, json={"spec": {"router": {"replicas": 3}}})
         assert response.status_code == 200, response.text
         await until(lambda: holder(kmock) == "b", "the Lease taken over by b", replicas, timeout_s=15)
+        # from here on a is deposed: what it had on the wire when it stopped (a Lease renewal, say) has landed by
+        # now, while it still held the Lease; anything of a's that lands after this point is a stale write
+        taken = len(kmock.writes)
         await until(
             lambda: kmock.objects["apps/v1/deployments", NS, "chat-router"]["spec"]["replicas"] == 3,
             "b's write of 3 routers",
@@ -354,13 +356,13 @@ async def test_a_deposed_leader_s_late_writes_never_land(kmock: VersionedEmulato
         seen = len(log.read_text(errors="replace"))
         kmock.release("token-a")
         replicas.processes["a"].send_signal(signal.SIGCONT)
-        await until(lambda: [w for w in kmock.writes[paused:] if w.bearer == "token-a"], "a's late write", replicas)
+        await until(lambda: [w for w in kmock.writes[taken:] if w.bearer == "token-a"], "a's late write", replicas)
         await until(
             lambda: re.search(r"stops leading|lost the lease|not leading", log.read_text(errors="replace")[seen:]),
             "a standing down",
             replicas,
         )
-        late = [w for w in kmock.writes[paused:] if w.bearer == "token-a"]
+        late = [w for w in kmock.writes[taken:] if w.bearer == "token-a"]
         landed = [w for w in late if w.status < 400]
         assert not landed, f"the deposed leader's writes landed: {landed}"
         assert any(w.status == 409 and w.path.endswith("/deployments/chat-router") for w in late), late
