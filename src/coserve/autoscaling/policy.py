@@ -267,11 +267,14 @@ def decide(
 def _in_its_shape(spec: SpecModel, profile: EngineProfile | None, limits: Thresholds) -> tuple[SpecModel, Thresholds]:
     """The spec with the shape its own plan takes, kept while the model re-plans with measured numbers (a shape
     changes with the spec, not with a measurement); an aggregated pool's prefillers are held at 0."""
-    shapes = plan_for(spec, profile).shapes
-    if shapes is None:
-        return spec, limits
-    pinned = spec.model_copy(update={"shape": shapes.shape})
-    if shapes.shape is not PoolShape.AGGREGATED:
+    shape = spec.shape
+    if shape is PoolShape.AUTO:  # the operator passes the shape it planned; a bare spec asks its plan
+        shapes = plan_for(spec, profile).shapes
+        if shapes is None:
+            return spec, limits
+        shape = shapes.shape
+    pinned = spec.model_copy(update={"shape": shape})
+    if shape is not PoolShape.AGGREGATED:
         return pinned, limits
     none = {"prefillers": 0}
     return pinned, replace(limits, min_replicas=replace(limits.min_replicas, **none),

@@ -41,7 +41,7 @@ from coserve.api.spec import PoolShape, SpecModel, WorkloadSpec
 from coserve.api.status import Bottleneck, Plan, PlanUtilization, ShapeComparison
 from coserve.provisioning.decoders import DecoderLoad, decoder_loads, later_turn_context_tokens
 from coserve.provisioning.profile import ResolvedProfile
-from coserve.provisioning.shape import aggregated_engines, compare_shapes
+from coserve.provisioning.shape import compare_shapes
 
 __all__ = ["MAX_REPLICAS_PER_ROLE", "Capacities", "make_plan"]
 
@@ -131,7 +131,8 @@ def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) 
     shape comparison found, with the spec's headroom (and autoscaling's decoder bounds)."""
     load, rate, shapes = sized.load, spec.workload.arrival_rate_per_s, sized.shapes
     warnings: list[str] = []
-    engines = aggregated_engines(spec, shapes)
+    per_engine = shapes.aggregated_rate_per_s / shapes.engines  # the comparison's rate per aggregated engine
+    engines = max(1, _ceil(spec.headroom * rate / per_engine)) if per_engine > 0 else shapes.engines
     scaling = spec.autoscaling
     if scaling.enabled:
         engines = _clamp("decoders", engines, scaling.decoders.min_replicas, scaling.decoders.max_replicas, warnings)
@@ -146,7 +147,7 @@ def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) 
         decoders=engines,
         prefill_throughput_tokens_per_s=sized.prefill_tps,
         saturation_rate_per_s=sized.saturation_rate,
-        pool_saturation_rate_per_s=shapes.aggregated_rate_per_s / shapes.engines * engines,
+        pool_saturation_rate_per_s=per_engine * engines,
         design_rate_per_s=spec.headroom * rate,
         **_load_figures(profile, sized),
         binding_constraint=limit,
@@ -163,7 +164,7 @@ def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) 
             f"each aggregated engine also prefills its conversations' first turns, p_1 = "
             f"{sized.turn1_prefill_s:.4g} s each, so a conversation costs {per_conversation_s:.4g} engine-s; "
             f"engines = ceil(headroom · R / (rate per engine)) = ceil({spec.headroom:g} · {_rate(rate)} / "
-            f"{_rate(shapes.aggregated_rate_per_s / shapes.engines)}) = {engines}, and no prefillers",
+            f"{_rate(per_engine)}) = {engines}, and no prefillers",
         ],
         warnings=warnings,
     )

@@ -35,7 +35,7 @@ from coserve.provisioning.decoders import DecoderLoad
 from coserve.provisioning.profile import ResolvedProfile
 from coserve.scheduling.steps import chunked_step_s
 
-__all__ = ["ShapeRates", "aggregated_engines", "compare_shapes", "tpot_rate"]
+__all__ = ["ShapeRates", "compare_shapes", "tpot_rate"]
 
 
 @dataclass(frozen=True)
@@ -116,15 +116,6 @@ def compare_shapes(
             f"{_rate(aggregated.rate_per_s)} ({aggregated.limit} limits)"
         ),
     )
-
-
-def aggregated_engines(spec: SpecModel, comparison: ShapeComparison) -> int:
-    """Aggregated engines for the target rate with the spec's headroom: the per-engine rate of the comparison."""
-    per_engine = comparison.aggregated_rate_per_s / comparison.engines
-    if per_engine <= 0:
-        return comparison.engines
-    wanted = spec.headroom * spec.workload.arrival_rate_per_s / per_engine
-    return max(1, math.ceil(wanted - 1e-9 * max(1.0, wanted)))
 
 
 _LARGE = 1e12  # a rate no limit bounds, as a number status can hold (JSON has no infinity)
