@@ -56,7 +56,11 @@ waiting requests of the pods that serve. The simulator evaluates them every
 ``--interval`` seconds with the same bounds, the same stabilization window for
 scaling down and the same start-up delay:
 
-- coserve: ``coserve.autoscaling.policy.decide`` (``coserve.sim.coserve_scaler``);
+- coserve: ``coserve.autoscaling.policy.decide`` (``coserve.sim.coserve_scaler``)
+  with its defaults: the rule below at its default targets (2 running +
+  waiting per prefiller; per decoder, the conversations its KV cache holds) is
+  one of its candidates, and it is told the start-up delay
+  (``spec.autoscaling.replicaStartupS``);
 - baseline: ``replicas = ceil(current · per_pod / target)`` on vLLM's
   ``num_requests_running + num_requests_waiting`` per pod (averaged over every
   replica asked for, pods still starting counting as idle, as the HPA does),
@@ -134,7 +138,7 @@ from harness.workload import TRACES, TraceRow, load_trace, trace_label
 from coserve.api.parse import parse_pool
 from coserve.api.profile import EngineProfile
 from coserve.api.spec import SpecModel
-from coserve.autoscaling.policy import Decision, Replicas, Thresholds
+from coserve.autoscaling.policy import Decision, Replicas, Thresholds, rule_count
 from coserve.bench.workload import Conversation, Turn
 from coserve.provisioning import plan_for
 from coserve.scheduling import ClassRegistry, RequestClass, SlideConfig, StepCostModel, slo_attained
@@ -421,15 +425,15 @@ def threshold_scaler(thresholds: Thresholds, decoder_target: float, prefiller_ta
     stabilization."""
     history: list[tuple[float, Replicas]] = []
 
-    def one(current: int, per_pod: float, target: float) -> int:
-        ratio = per_pod / target
-        return current if abs(ratio - 1) <= 0.1 else math.ceil(current * ratio)
+    def one(current: int, requests: float, target: float) -> int:
+        count = rule_count(current, requests, target)  # the rule as coserve's autoscaler computes its candidate
+        return current if count is None else count
 
     def scaler(now_s: float, current: Replicas, seen: Observation) -> Replicas:
         # the HPA averages over every replica it asked for, counting pods not ready yet as idle
         raw = Replicas(
-            one(current.prefillers, seen.prefiller_requests / current.prefillers, prefiller_target),
-            one(current.decoders, seen.decoder_requests / current.decoders, decoder_target),
+            one(current.prefillers, seen.prefiller_requests, prefiller_target),
+            one(current.decoders, seen.decoder_requests, decoder_target),
         )
         raw = Replicas(
             min(max(raw.prefillers, thresholds.min_replicas.prefillers), thresholds.max_replicas.prefillers),
@@ -485,8 +489,12 @@ def run_one(
 # A phrase of decide()'s reasons -> the rule it names; a role that went up with none of its phrases present
 # went up on the model's re-plan from the measured workload.
 DRIVERS = {
-    "prefillers": (("busy prefillers measure T_p", "measured T_p"), ("prefiller queue", "prefiller queue guard")),
-    "decoders": (("decoder KV occupancy", "KV guard"),),
+    "prefillers": (
+        ("busy prefillers measure T_p", "measured T_p"),
+        ("prefiller queue", "prefiller queue guard"),
+        ("the queue-length rule", "queue-length rule"),
+    ),
+    "decoders": (("decoder KV occupancy", "KV guard"), ("the queue-length rule", "queue-length rule")),
 }
 
 
@@ -499,7 +507,9 @@ def scaling_steps(decisions: Sequence[tuple[float, Decision]], seen: Sequence[Re
             before, after = getattr(current, role), getattr(decision.replicas, role)
             if after == before:
                 continue
-            fired = [name for phrase, name in DRIVERS[role] if phrase in decision.reason]
+            # what the role went up on: its reasons, less the candidates the model did not add
+            added = [r for r in decision.reasons if role.rstrip("s") in r and "not added" not in r]
+            fired = [name for phrase, name in DRIVERS[role] if any(phrase in reason for reason in added)]
             drivers = ["stabilization window"] if after < before else fired or ["model re-plan"]
             steps.append({"at_s": at_s, "role": role, "from": before, "to": after, "drivers": drivers})
     return steps
@@ -759,7 +769,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     thresholds = Thresholds(
-        min_replicas=Replicas(1, 1), max_replicas=Replicas(16, 64), stabilization_window_s=args.window
+        min_replicas=Replicas(1, 1),
+        max_replicas=Replicas(16, 64),
+        stabilization_window_s=args.window,
+        startup_s=args.startup,
     )
     started = time.perf_counter()
     traces = [prepare(path, args) for path in args.trace or DEFAULT_TRACES]

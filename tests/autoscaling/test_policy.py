@@ -86,16 +86,24 @@ def test_the_kv_guard_needs_two_high_evaluations_in_a_row() -> None:
 
 
 @pytest.mark.parametrize(
-    ("queue", "last", "extra"),
-    [(6.0, 4.0, 1), (6.0, 6.0, 0), (6.0, None, 0), (2.0, 1.0, 0)],  # growing and high; flat; first; low
+    ("rate", "queue", "last", "extra"),
+    [
+        (4.5, 30.0, 20.0, 1),  # high, growing, one prefiller 0.26/s short of clearing it: one more
+        (4.5, 30.0, 30.0, 0),  # flat
+        (4.5, 30.0, None, 0),  # the first evaluation
+        (4.5, 2.0, 1.0, 0),  # low
+        (0.5, 6.0, 4.0, 0),  # high and growing, but one prefiller serves 0.5/s and clears 6 in 1.4 s
+    ],
 )
-def test_the_prefiller_guard_adds_one_when_the_queue_is_high_and_growing(
-    queue: float, last: float | None, extra: int
+def test_the_prefiller_guard_adds_one_when_the_queue_is_high_growing_and_the_model_needs_it(
+    rate: float, queue: float, last: float | None, extra: int
 ) -> None:
-    base = planned(0.5)
-    decision = run(Signals(arrival_rate_per_s=0.5, prefiller_queue=queue), base, last_prefiller_queue=last)
+    base = planned(rate)
+    decision = run(Signals(arrival_rate_per_s=rate, prefiller_queue=queue), base, last_prefiller_queue=last)
     assert decision.replicas.prefillers == base.prefillers + extra
     assert decision.prefiller_queue == queue
+    if queue >= LIMITS.queue_high and last is not None and queue > last and not extra:
+        assert "not added" in decision.reason
 
 
 def test_replicas_stay_within_the_bounds() -> None:
@@ -191,12 +199,15 @@ def test_a_steady_low_load_scales_down_once_the_window_has_passed() -> None:
 @pytest.mark.parametrize(
     ("tokens_per_s", "queue", "prefillers"),
     [
-        (4000.0, 5.0, 5),  # busy at 4,000 tokens/s each, not the profile's 9,524: ceil(10/s x 2000 / 4000)
-        (9524.0, 5.0, None),  # busy at the profile's speed: the model's count stands
+        # busy at 4,000 tokens/s each, not the profile's 9,524, asks for ceil(10/s x 2000 / 4000) = 5; 100 waiting
+        # per prefiller outlast a start-up, and 4 serve 10/s and clear the 300 waiting within one: 4
+        (4000.0, 100.0, 4),
+        (4000.0, 5.0, None),  # 15 waiting clear in 3.5 s, long before a new prefiller would serve
+        (9524.0, 100.0, None),  # busy at the profile's speed: the model's count stands
         (4000.0, 0.0, None),  # not busy: a low token rate is low load, not slow prefillers
     ],
 )
-def test_busy_prefillers_slower_than_the_profile_size_the_prefillers(
+def test_busy_prefillers_slower_than_the_profile_add_what_their_backlog_needs(
     tokens_per_s: float, queue: float, prefillers: int | None
 ) -> None:
     signals = Signals(arrival_rate_per_s=10.0, prefill_tokens_per_s=tokens_per_s, prefiller_queue=queue)

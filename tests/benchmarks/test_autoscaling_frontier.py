@@ -125,7 +125,8 @@ def decision(world: ModuleType, replicas: tuple[int, int], reasons: tuple[str, .
 
 
 def test_each_step_of_coserve_is_put_down_to_what_its_decision_names(world: ModuleType) -> None:
-    both_guards = ("the model", "decoder KV occupancy 90% stayed >= 85%", "prefiller queue 5.0 per replica >= 4")
+    both_guards = ("the model", "decoder KV occupancy 90% stayed >= 85%", "prefiller queue 5.0 per replica >= 4",
+                   "busy prefillers measure T_p = 8,000 tokens/s: 6 prefillers, not added: its 4 serve")  # fmt: skip
     decisions = [
         (120.0, decision(world, (3, 2), ("the model ... wants 3 prefillers and 2 decoders",))),
         (135.0, decision(world, (4, 3), ("the model", "busy prefillers measure T_p = 8,000 tokens/s", "x"))),

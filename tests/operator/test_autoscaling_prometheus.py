@@ -59,8 +59,11 @@ class ScriptedPool:
         self.output_tokens = Counter("coserve_router_output_tokens", "L_d", registry=registry)
         self.lifetime = Histogram("coserve_router_conversation_lifetime_seconds", "W", registry=registry)
         self.waiting = Gauge("vllm:num_requests_waiting", "queue", ["role"], registry=registry)
+        self.running = Gauge("vllm:num_requests_running", "running", ["role"], registry=registry)
         self.kv = Gauge("vllm:kv_cache_usage_perc", "KV", ["role"], registry=registry)
-        self.waiting.labels("prefiller").set(0)
+        for role, running in (("prefiller", 0), ("decoder", 3)):  # the queue-length rule's signals, well below
+            self.waiting.labels(role).set(0)  # its default targets
+            self.running.labels(role).set(running)
         self.kv.labels("decoder").set(0.3)
         self.port = free_port()
         self.server, _ = start_http_server(self.port, addr="127.0.0.1", registry=registry)
@@ -212,6 +215,7 @@ def autoscaled_pool(prometheus_url: str) -> dict[str, Any]:
         "prometheusUrl": prometheus_url,
         "evaluationIntervalS": 1,
         "stabilizationWindowS": 6,
+        "replicaStartupS": 0,  # the emulated Deployments' replicas are there at once
         "prefillers": {"minReplicas": 1, "maxReplicas": 8},
         "decoders": {"minReplicas": 1, "maxReplicas": 32},
         "queries": {  # {selector} is filled in literally; PromQL's braces stay as they are
@@ -260,6 +264,10 @@ async def test_the_operator_scales_on_a_load_step_holds_then_scales_down_and_hol
         assert condition(kmock, "AutoscalingActive")["status"] == "True"
         signals = kmock.objects[POOLS, NS, "chat"]["status"]["autoscaling"]["signals"]
         assert 0.2 < signals["arrivalRatePerS"] < 0.8 and signals["inputTokens"] == pytest.approx(2000)
+        # the engines' signals, through real PromQL: the exporter's prometheus_client stores vllm:* as vllm_* when
+        # Prometheus scrapes OpenMetrics, and the default queries find either name
+        assert signals.get("decoderKvUsage") == pytest.approx(0.3) and signals.get("prefillerQueue") == 0, signals
+        assert (signals.get("prefillerRequests"), signals.get("decoderRequests")) == (0, 3), signals  # the rule's
 
         exporter.rate = 6.0  # the load step (the model runs at 1.2 x 6 = 7.2/s)
         step = time.monotonic()

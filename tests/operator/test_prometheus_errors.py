@@ -27,7 +27,7 @@ from router_served import free_port
 CANARY = "SECRET-TOKEN-123"
 HTML = f"<html><body><h1>Internal admin</h1><p>api key: {CANARY}</p></body></html>"
 QUERY_NAMES = ("arrivalRate", "inputTokens", "outputTokens", "lifetime", "prefillTokensRate", "prefillerQueue",
-               "decoderKvUsage", "decoderWaiting")  # fmt: skip
+               "decoderKvUsage", "decoderWaiting", "prefillerRequests", "decoderRequests")  # fmt: skip
 
 
 def html(status: int) -> web.Response:

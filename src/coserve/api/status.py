@@ -218,6 +218,12 @@ class AutoscalingSignals(ApiModel):
     decoder_waiting: float | None = Field(
         default=None, ge=0, description="decoderWaiting is the requests waiting on decoders."
     )
+    prefiller_requests: float | None = Field(
+        default=None, ge=0, description="prefillerRequests is the requests running and waiting on prefillers."
+    )
+    decoder_requests: float | None = Field(
+        default=None, ge=0, description="decoderRequests is the requests running and waiting on decoders."
+    )
 
 
 class AutoscalingRecord(ApiModel):

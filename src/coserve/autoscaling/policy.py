@@ -46,13 +46,31 @@ from typing import TYPE_CHECKING
 
 from coserve.api.problems import InvalidInput
 from coserve.api.spec import PoolShape
+from coserve.autoscaling.queries import DEFAULT_QUERIES, range_s
 from coserve.provisioning import plan_for
 
 if TYPE_CHECKING:
     from coserve.api.profile import EngineProfile
     from coserve.api.spec import SpecModel, WorkloadSpec
+    from coserve.api.status import Plan
 
-__all__ = ["Decision", "Recommendation", "Replicas", "Signals", "Thresholds", "decide", "thresholds_for"]
+__all__ = [
+    "DEFAULT_PREFILLER_TARGET",
+    "Decision",
+    "Recommendation",
+    "Replicas",
+    "Signals",
+    "Thresholds",
+    "decide",
+    "rate_lag_s",
+    "rule_count",
+    "thresholds_for",
+]
+
+ROLES = ("prefillers", "decoders")
+
+# The queue-length rule's prefiller target when the spec sets none: running + waiting requests per prefiller.
+DEFAULT_PREFILLER_TARGET = 2.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,8 @@ class Signals:
     turns: float | None = None  # n, mean requests per conversation
     appended_tokens: float | None = None  # a, mean tokens a later turn's decoder prefills
     decoder_run_s: float | None = None  # seconds a conversation's requests run on decoders (W less its idle time)
+    prefiller_requests: float | None = None  # requests running and waiting on prefillers, summed
+    decoder_requests: float | None = None  # requests running and waiting on decoders, summed
 
 
 @dataclass(frozen=True)
@@ -100,6 +120,10 @@ class Thresholds:
     rate_headroom: float = 1.2  # the model runs at this multiple of the measured rate
     down_tolerance: float = 0.1  # a role scales down only when the recommendation is this fraction below it
     up_tolerance: float = 0.1  # the model adds a replica only when its need is more than this fraction above it
+    startup_s: float = 60.0  # a new replica serves this long after it is asked for
+    rate_lag_s: float = 60.0  # how far back the measured arrival rate is centred (half its query's 2 m window)
+    prefiller_target_requests: float | None = DEFAULT_PREFILLER_TARGET  # the rule's running + waiting per replica
+    decoder_target_requests: float | None = None  # None: the plan's kv_slots_per_decoder
 
 
 def thresholds_for(spec: SpecModel) -> Thresholds:
@@ -111,7 +135,18 @@ def thresholds_for(spec: SpecModel) -> Thresholds:
         stabilization_window_s=scaling.stabilization_window_s,
         kv_usage_high=scaling.kv_usage_high,
         queue_high=scaling.prefiller_queue_high,
+        startup_s=scaling.replica_startup_s,
+        rate_lag_s=rate_lag_s(scaling.queries.arrival_rate or DEFAULT_QUERIES["arrivalRate"]),
+        prefiller_target_requests=scaling.prefillers.target_requests_per_replica or DEFAULT_PREFILLER_TARGET,
+        decoder_target_requests=scaling.decoders.target_requests_per_replica,
     )
+
+
+def rate_lag_s(arrival_rate_query: str) -> float:
+    """How stale the measured arrival rate is: half the window of its query (``[2m]``: 60 s); 0 when the query's
+    window cannot be read, so the forecast then uses the start-up alone."""
+    window = range_s(arrival_rate_query)
+    return window / 2 if window is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +159,7 @@ class Decision:
     history: tuple[Recommendation, ...]
     kv_high_evaluations: int  # consecutive evaluations with KV occupancy at or above the threshold
     prefiller_queue: float | None  # this evaluation's, for the next one's "grew" test
+    arrival: tuple[float, float] | None = None  # (now_s, the measured rate), for the next one's forecast
 
     @property
     def reason(self) -> str:
@@ -134,17 +170,38 @@ def _step(current: int, fraction: float) -> int:
     return max(1, math.ceil(current * fraction))
 
 
+@dataclass(frozen=True)
+class _Capacity:
+    """Conversations per second one replica of each role serves, by the plan at the measured workload."""
+
+    prefiller_per_s: float
+    decoder_per_s: float
+    kv_slots: int  # conversations one decoder's KV cache holds (the rule's default decoder target)
+
+
 def _proactive(
-    spec: SpecModel, profile: EngineProfile | None, signals: Signals, thresholds: Thresholds, current: Replicas
-) -> tuple[Replicas, str]:
+    spec: SpecModel, profile: EngineProfile | None, signals: Signals, thresholds: Thresholds, forecast: float
+) -> tuple[Replicas, str, _Capacity | None, dict[str, tuple[int, str]]]:
+    """The model's count for the measured workload at the higher of the measured rate times ``rate_headroom``
+    and ``forecast``; why; each role's per-replica rate; and the prefillers a measured T_p asks for (a
+    backlog candidate)."""
     measured_rate = signals.arrival_rate_per_s or 0.0
     if measured_rate <= 0:
-        return thresholds.min_replicas, "no conversations arriving: each role's minimum"
+        return thresholds.min_replicas, "no conversations arriving: each role's minimum", None, {}
     rate = measured_rate * thresholds.rate_headroom
     measured = _measured_workload(spec, signals, rate)
     plan = plan_for(spec.model_copy(update={"workload": measured}), profile)
+    rising = forecast > rate
+    if rising:  # named, and planned for, only where the forecast changes the count (a status write otherwise)
+        ahead = _measured_workload(spec, signals, forecast)
+        planned_ahead = plan_for(spec.model_copy(update={"workload": ahead}), profile)
+        rising = (planned_ahead.prefillers, planned_ahead.decoders) != (plan.prefillers, plan.decoders)
+        if rising:
+            rate, measured, plan = forecast, ahead, planned_ahead
     why = (
-        f"the model at R={measured_rate:.3g}/s (x{thresholds.rate_headroom:g} headroom), L_in={measured.input_tokens}, "
+        f"the model at R={measured_rate:.3g}/s (x{thresholds.rate_headroom:g} headroom"
+        + (f", rising to {forecast:.3g}/s" if rising else "")
+        + f"), L_in={measured.input_tokens}, "
         f"L_d={measured.output_tokens}, W={measured.lifetime_s:.3g}s"
         + (
             f", n={measured.turns:.3g} turns, a={measured.appended_tokens}, g={measured.idle_s:.3g}s"
@@ -153,19 +210,112 @@ def _proactive(
         )
         + f" wants {plan.prefillers} prefillers and {plan.decoders} decoders"
     )
-    prefillers = plan.prefillers
+    corrected = {}
     # NOTE: prefillers with a queue are busy all the time, so their token rate is their real T_p; a profile
     # that promised more (another GPU, a longer prompt mix) is corrected here, not left to the queue guard.
+    # Their queue is a backlog, so the correction is one of the backlog's candidates (``decide``): a 2 m
+    # token rate is the prefillers' load, not their speed, unless they were busy for the whole window, and a
+    # queue seen now says little of that; so the model caps it as it caps the rule and the queue guard.
     busy = signals.prefiller_queue is not None and signals.prefiller_queue >= 1
     if busy and signals.prefill_tokens_per_s:
         measured_tp = signals.prefill_tokens_per_s
         if measured_tp < 0.9 * plan.prefill_throughput_tokens_per_s:
-            prefillers = max(prefillers, math.ceil(rate * measured.input_tokens / measured_tp))
-            why += (
-                f"; busy prefillers measure T_p = {measured_tp:,.0f} tokens/s against the profile's "
-                f"{plan.prefill_throughput_tokens_per_s:,.0f}: {prefillers} prefillers"
+            corrected["prefillers"] = (
+                math.ceil(rate * measured.input_tokens / measured_tp),
+                f"busy prefillers measure T_p = {measured_tp:,.0f} tokens/s against the profile's "
+                f"{plan.prefill_throughput_tokens_per_s:,.0f}",
             )
-    return Replicas(prefillers, plan.decoders), why
+    return Replicas(plan.prefillers, plan.decoders), why, _capacity(plan, rate), corrected
+
+
+def _capacity(plan: Plan, rate: float) -> _Capacity:
+    """Each role's per-replica rate in ``plan`` (made for ``rate``): a prefiller's R* = T_p / L_in; a decoder's
+    from its tighter utilization (throughput or KV memory); an aggregated engine's from the shape comparison."""
+    if plan.aggregated and plan.shapes is not None:
+        return _Capacity(0.0, plan.shapes.aggregated_rate_per_s / plan.shapes.engines, plan.kv_slots_per_decoder)
+    used = max(plan.utilization.decoder_throughput, plan.utilization.decoder_memory)
+    per_decoder = rate / (plan.decoders * used) if used > 0 else math.inf
+    return _Capacity(plan.saturation_rate_per_s, per_decoder, plan.kv_slots_per_decoder)
+
+
+def rule_count(current: int, requests: float | None, target: float | None) -> int | None:
+    """The queue-length rule for one role, as an HPA computes it on vLLM's running + waiting requests:
+    ``ceil(current · per_replica / target)``, the current count within 10 % of the target. ``None`` without
+    a sample, a target or replicas.
+
+    Who calls it: ``decide`` (the rule is one of its candidates) and the ``autoscaling`` benchmark's
+    baseline, so both compute the rule alike."""
+    if requests is None or target is None or current <= 0:
+        return None
+    ratio = requests / current / target
+    return current if abs(ratio - 1) <= 0.1 else math.ceil(current * ratio)
+
+
+def _rule(
+    signals: Signals, current: Replicas, limits: Thresholds, capacity: _Capacity | None
+) -> dict[str, tuple[int, str]]:
+    """The rule's count per role where it has a sample and a target, with how it got there."""
+    targets = {
+        "prefillers": (signals.prefiller_requests, limits.prefiller_target_requests),
+        "decoders": (
+            signals.decoder_requests,
+            limits.decoder_target_requests or (capacity.kv_slots if capacity else None),
+        ),
+    }
+    counts = {}
+    for role, (requests, target) in targets.items():
+        count = rule_count(getattr(current, role), requests, target)
+        if count is not None and requests is not None and target:
+            counts[role] = (count, f"the queue-length rule ({requests:.3g} running + waiting, target {target:g} each)")
+    return counts
+
+
+def _forecast(signals: Signals, limits: Thresholds, now_s: float, last: tuple[float, float] | None) -> float:
+    """The arrival rate when a replica asked for now will serve: the measured rate (a window's mean, centred
+    ``rate_lag_s`` ago) carried along its rise since the last evaluation (``last``: when, and the rate then)
+    for ``rate_lag_s + startup_s``. 0 when it is not rising or there is no last evaluation."""
+    rate = signals.arrival_rate_per_s
+    if not rate or last is None or now_s <= last[0] or rate <= last[1]:
+        return 0.0
+    return rate + (rate - last[1]) / (now_s - last[0]) * (limits.rate_lag_s + limits.startup_s)
+
+
+def _backlog_room(
+    signals: Signals, limits: Thresholds, replicas: Replicas, capacity: _Capacity | None, rate: float, grew: bool
+) -> dict[str, tuple[int | None, str]]:
+    """What each role's backlog is worth, from ``replicas`` (what the role will have without it):
+
+    - ``(None, why)``: nothing. They serve ``rate`` and clear what waits within ``startup_s``, before a
+      replica asked for now would serve; the prefillers' only when their queue did not grow since the
+      last evaluation (a queue that grows is not clearing, whatever the model predicts).
+    - ``(count, why)``: at most ``count`` replicas, the ones that serve ``rate`` and clear, within one
+      start-up once they serve, the backlog as it will have grown by then. A count no higher than the
+      model's own still confirms it: ``decide`` then does not hold the model's count within its tolerance.
+    """
+    if capacity is None:
+        return {}
+    waiting = {
+        "prefillers": (signals.prefiller_queue or 0.0) * replicas.prefillers,
+        "decoders": signals.decoder_waiting or 0.0,
+    }
+    per_replica = {"prefillers": capacity.prefiller_per_s, "decoders": capacity.decoder_per_s}
+    room: dict[str, tuple[int | None, str]] = {}
+    for role, backlog in waiting.items():
+        have, per = getattr(replicas, role), per_replica[role]
+        spare = have * per - rate
+        if spare > 0 and backlog / spare <= limits.startup_s and not (grew and role == "prefillers"):
+            drain_s = backlog / spare
+            room[role] = (None, f"its {have} serve {rate:.3g}/s with {spare:.3g}/s to spare and clear "
+                                f"{backlog:.3g} waiting in {drain_s:.0f}s, before a new one serves "
+                                f"({limits.startup_s:g}s)")  # fmt: skip
+            continue
+        grown = backlog + max(0.0, -spare) * limits.startup_s
+        if per <= 0 or not math.isfinite(per):
+            continue
+        count = math.ceil((rate + grown / limits.startup_s) / per)
+        room[role] = (count, f"{count} serve {rate:.3g}/s and clear the {grown:.3g} waiting by then within "
+                             f"{limits.startup_s:g}s")  # fmt: skip
+    return room
 
 
 def _measured_workload(spec: SpecModel, signals: Signals, rate: float) -> WorkloadSpec:
@@ -207,29 +357,40 @@ def decide(
     history: Sequence[Recommendation] = (),
     kv_high_evaluations: int = 0,
     last_prefiller_queue: float | None = None,
+    last_arrival: tuple[float, float] | None = None,
 ) -> Decision:
     """One evaluation (module rules). ``InvalidInput`` when the model rejects the measured workload (a
     conversation larger than a decoder's KV cache, say); the caller holds and reports it."""
     limits = thresholds or Thresholds()
     spec, limits = _in_its_shape(spec, profile, limits)
-    recommended, why = _proactive(spec, profile, signals, limits, current)
+    forecast = _forecast(signals, limits, now_s, last_arrival)
+    recommended, why, capacity, corrected = _proactive(spec, profile, signals, limits, forecast)
     reasons = [why]
-    tolerated = _covered_within_tolerance(spec, profile, signals, limits, current, recommended)
-
+    tolerated = _covered_within_tolerance(spec, profile, signals, limits, current, recommended, forecast)
+    rate = max((signals.arrival_rate_per_s or 0.0) * limits.rate_headroom, forecast)
     kv_high = kv_high_evaluations + 1 if (signals.decoder_kv_usage or 0.0) >= limits.kv_usage_high else 0
-    if kv_high >= 2:
-        more = current.decoders + _step(current.decoders, 0.25)
-        recommended = replace(recommended, decoders=max(recommended.decoders, more))
-        tolerated.discard("decoders")
-        reasons.append(f"decoder KV occupancy {signals.decoder_kv_usage:.0%} stayed >= {limits.kv_usage_high:.0%}")
+    will_have = Replicas(*(max(getattr(current, role), getattr(recommended, role)) for role in ROLES))
     queue = signals.prefiller_queue
     grew = queue is not None and last_prefiller_queue is not None and queue > last_prefiller_queue
-    if queue is not None and queue >= limits.queue_high and grew:
-        more = current.prefillers + _step(current.prefillers, 0.25)
-        recommended = replace(recommended, prefillers=max(recommended.prefillers, more))
-        tolerated.discard("prefillers")
-        reasons.append(f"prefiller queue {queue:.1f} per replica >= {limits.queue_high:g} and growing")
-
+    room = _backlog_room(signals, limits, will_have, capacity, rate, grew)
+    guards = _guards(signals, current, limits, kv_high, last_prefiller_queue)
+    memory_full = {"decoders": guards.pop("decoders")} if "decoders" in guards else {}
+    backlog = [*corrected.items(), *_rule(signals, current, limits, capacity).items(), *guards.items()]
+    for role, (count, why) in [*backlog, *memory_full.items()]:
+        have = getattr(current, role)
+        if count <= have:
+            continue
+        # the KV guard is a capacity signal (the decoders' memory is full), not a backlog: never judged
+        most, judged = (count, "") if why.startswith("decoder KV") else room.get(role, (count, ""))
+        if most is None or most <= have:
+            reasons.append(f"{why}: {count} {role}, not added: {judged}")
+            continue
+        if most < count:
+            why, count = f"{why} asks for {count}; at most {judged}", most
+        tolerated.discard(role)  # a need a guard or a lasting backlog confirms is not held by the tolerance
+        if count > getattr(recommended, role):
+            recommended = replace(recommended, **{role: count})
+        reasons.append(f"{why}: {count} {role}")
     recommended = _bounded(recommended, limits)
     now = Recommendation(now_s, recommended.prefillers, recommended.decoders)
     covered = limits.stabilization_window_s <= 0 or any(
@@ -260,8 +421,29 @@ def decide(
         else:
             reasons.append(f"{role} held at {have}: {highest} recommended is within {limits.down_tolerance:.0%}")
     final = _bounded(Replicas(chosen["prefillers"], chosen["decoders"]), limits)
+    arrival = None if signals.arrival_rate_per_s is None else (now_s, signals.arrival_rate_per_s)
     return Decision(final, recommended, tuple(reasons), _prune(history, now, limits.stabilization_window_s), kv_high,
-                    queue)  # fmt: skip
+                    queue, arrival)  # fmt: skip
+
+
+def _guards(
+    signals: Signals, current: Replicas, limits: Thresholds, kv_high: int, last_queue: float | None
+) -> dict[str, tuple[int, str]]:
+    """The reactive guards (module rule 2): each role's count when its guard fires, with why."""
+    fired = {}
+    if kv_high >= 2:
+        fired["decoders"] = (
+            current.decoders + _step(current.decoders, 0.25),
+            f"decoder KV occupancy {signals.decoder_kv_usage:.0%} stayed >= {limits.kv_usage_high:.0%}",
+        )
+    queue = signals.prefiller_queue
+    grew = queue is not None and last_queue is not None and queue > last_queue
+    if queue is not None and queue >= limits.queue_high and grew:
+        fired["prefillers"] = (
+            current.prefillers + _step(current.prefillers, 0.25),
+            f"prefiller queue {queue:.1f} per replica >= {limits.queue_high:g} and growing",
+        )
+    return fired
 
 
 def _in_its_shape(spec: SpecModel, profile: EngineProfile | None, limits: Thresholds) -> tuple[SpecModel, Thresholds]:
@@ -288,6 +470,7 @@ def _covered_within_tolerance(
     limits: Thresholds,
     current: Replicas,
     recommended: Replicas,
+    forecast: float,
 ) -> set[str]:
     """The roles the model would add replicas to only for the last ``up_tolerance`` of its need (rule 4
     holds them where they are, unless a guard fires).
@@ -308,7 +491,7 @@ def _covered_within_tolerance(
     # the spec's schema keeps headroom >= 1; below that, the smaller rate margin alone is the tolerance
     humbler = spec.model_copy(update={"headroom": max(1.0, spec.headroom / shrink)})
     try:
-        lower, _ = _proactive(humbler, profile, signals, smaller, current)
+        lower, *_ = _proactive(humbler, profile, signals, smaller, forecast / shrink)
     except InvalidInput:
         return set()  # no tolerance where the smaller need cannot be planned: up at once
     return {role for role in rising if getattr(lower, role) <= getattr(current, role)}

@@ -17,11 +17,24 @@ sample); an empty result or NaN is "no data".
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
-__all__ = ["DEFAULT_QUERIES", "DEFAULT_SELECTOR", "SIGNALS", "fill_query", "queries_for"]
+__all__ = ["DEFAULT_QUERIES", "DEFAULT_SELECTOR", "SIGNALS", "fill_query", "queries_for", "range_s"]
 
 DEFAULT_SELECTOR = 'namespace="{namespace}",pool="{pool}"'
+
+
+def _vllm(metric: str, role: str) -> str:
+    """A vLLM engine metric of one role's pods, under either of the names Prometheus may store it as.
+
+    NOTE: vLLM names its metrics ``vllm:...``. prometheus_client (0.2x) answers a scrape that negotiates
+    OpenMetrics (Prometheus' default) with the colon turned into an underscore in each sample's name, but not
+    in HELP and TYPE (prometheus/client_python#1177), so the same engine's series are stored as ``vllm_...``
+    there and as ``vllm:...`` where it is scraped as plain text. Matching both names finds either.
+    """
+    return f'{{__name__=~"vllm:{metric}|vllm_{metric}",{{selector}},role="{role}"}}'
+
 
 # signal name -> PromQL template; the names are Signals' fields (coserve.autoscaling.policy)
 DEFAULT_QUERIES: dict[str, str] = {
@@ -38,10 +51,16 @@ DEFAULT_QUERIES: dict[str, str] = {
         "sum(rate(coserve_router_conversation_lifetime_seconds_sum{{selector}}[10m]))"
         " / sum(rate(coserve_router_conversation_lifetime_seconds_count{{selector}}[10m]))"
     ),
-    "prefillTokensRate": 'avg(rate(vllm:prompt_tokens_total{{selector},role="prefiller"}[2m]))',
-    "prefillerQueue": 'avg(vllm:num_requests_waiting{{selector},role="prefiller"})',
-    "decoderKvUsage": 'avg(vllm:kv_cache_usage_perc{{selector},role="decoder"})',
-    "decoderWaiting": 'sum(vllm:num_requests_waiting{{selector},role="decoder"})',
+    "prefillTokensRate": f"avg(rate({_vllm('prompt_tokens_total', 'prefiller')}[2m]))",
+    "prefillerQueue": f"avg({_vllm('num_requests_waiting', 'prefiller')})",
+    "decoderKvUsage": f"avg({_vllm('kv_cache_usage_perc', 'decoder')})",
+    "decoderWaiting": f"sum({_vllm('num_requests_waiting', 'decoder')})",
+    "prefillerRequests": (
+        f"sum({_vllm('num_requests_running', 'prefiller')}) + sum({_vllm('num_requests_waiting', 'prefiller')})"
+    ),
+    "decoderRequests": (
+        f"sum({_vllm('num_requests_running', 'decoder')}) + sum({_vllm('num_requests_waiting', 'decoder')})"
+    ),
 }
 
 # query name -> Signals field
@@ -54,6 +73,8 @@ SIGNALS: dict[str, str] = {
     "prefillerQueue": "prefiller_queue",
     "decoderKvUsage": "decoder_kv_usage",
     "decoderWaiting": "decoder_waiting",
+    "prefillerRequests": "prefiller_requests",
+    "decoderRequests": "decoder_requests",
 }
 
 
@@ -81,3 +102,16 @@ def fill_query(template: str, namespace: str, pool: str, selector: str | None = 
 
 def _fill_pool(template: str, namespace: str, pool: str) -> str:
     return template.replace("{namespace}", namespace).replace("{pool}", pool)
+
+
+_RANGE = re.compile(r"\[((?:\d+(?:ms|s|m|h|d|w|y))+)(?::[^\]]*)?\]")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0, "w": 604_800.0, "y": 31_536_000.0}
+
+
+def range_s(query: str) -> float | None:
+    """The range, in seconds, every range selector of ``query`` uses (``[2m]``, ``[1m30s]``); ``None`` when it has
+    none or they differ. The autoscaler reads how stale the arrival rate is from it: a rate over a window is
+    the mean of that window, centred half of it ago."""
+    ranges = {sum(float(n) * _UNIT_S[unit] for n, unit in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", found))
+              for found in _RANGE.findall(query)}  # fmt: skip
+    return ranges.pop() if len(ranges) == 1 else None

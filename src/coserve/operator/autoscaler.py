@@ -272,6 +272,7 @@ class _Memory:
     history: tuple[Recommendation, ...] = field(default_factory=tuple)
     kv_high_evaluations: int = 0
     prefiller_queue: float | None = None
+    arrival: tuple[float, float] | None = None  # the last evaluation's time and measured arrival rate
 
 
 class _Changed(Exception):
@@ -371,7 +372,7 @@ class Autoscaler:
             if outcome.decision is not None:
                 decision = outcome.decision
                 memory.history, memory.kv_high_evaluations = decision.history, decision.kv_high_evaluations
-                memory.prefiller_queue = decision.prefiller_queue
+                memory.prefiller_queue, memory.arrival = decision.prefiller_queue, decision.arrival
             try:
                 if outcome.decision is not None and outcome.decision.replicas != current:
                     await self._scale(namespace, pool, current, outcome.decision.replicas)
@@ -462,6 +463,7 @@ class Autoscaler:
                 history=memory.history,
                 kv_high_evaluations=memory.kv_high_evaluations,
                 last_prefiller_queue=memory.prefiller_queue,
+                last_arrival=memory.arrival,
             )
         except InvalidInput as error:
             return _Outcome(False, "WorkloadNotPlannable", f"{hold_reason(error)}; {held}"), seen

@@ -211,6 +211,8 @@ class Observation:
             prefiller_queue=self.prefiller_queue,
             decoder_kv_usage=self.decoder_kv_usage,
             decoder_waiting=self.decoder_waiting,
+            prefiller_requests=self.prefiller_requests,
+            decoder_requests=self.decoder_requests,
         )
 
 

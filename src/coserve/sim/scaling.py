@@ -30,7 +30,7 @@ def coserve_scaler(
     decisions: list[tuple[float, Decision]] | None = None,
 ) -> Scaler:
     """A ``Scaler`` around ``decide``; each decision is appended to ``decisions`` when given (for reports)."""
-    state: dict[str, Any] = {"history": (), "kv_high": 0, "queue": None}
+    state: dict[str, Any] = {"history": (), "kv_high": 0, "queue": None, "arrival": None}
 
     def scaler(now_s: float, current: Replicas, seen: Observation) -> Replicas:
         try:
@@ -44,10 +44,16 @@ def coserve_scaler(
                 history=state["history"],
                 kv_high_evaluations=state["kv_high"],
                 last_prefiller_queue=state["queue"],
+                last_arrival=state["arrival"],
             )
         except InvalidInput:
             return current
-        state.update(history=decision.history, kv_high=decision.kv_high_evaluations, queue=decision.prefiller_queue)
+        state.update(
+            history=decision.history,
+            kv_high=decision.kv_high_evaluations,
+            queue=decision.prefiller_queue,
+            arrival=decision.arrival,
+        )
         if decisions is not None:
             decisions.append((now_s, decision))
         return decision.replicas

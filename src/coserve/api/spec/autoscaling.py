@@ -15,6 +15,15 @@ class ReplicaBounds(ApiModel):
 
     min_replicas: int = Field(default=1, ge=1, le=10_000, description="minReplicas is the fewest replicas.")
     max_replicas: int = Field(default=8, ge=1, le=10_000, description="maxReplicas is the most replicas.")
+    target_requests_per_replica: float | None = Field(
+        default=None,
+        gt=0,
+        le=100_000,
+        description="targetRequestsPerReplica is the queue-length rule's target: running + waiting requests per "
+        "replica, as an HPA on vLLM's metrics would use. The rule's count is one of the autoscaler's candidates. "
+        "Default: 2 for prefillers, and for decoders the conversations one decoder's KV cache holds (the plan's "
+        "kvSlotsPerDecoder).",
+    )
 
 
 class AutoscalingQueries(ApiModel):
@@ -69,6 +78,18 @@ class AutoscalingQueries(ApiModel):
         max_length=4096,
         description="decoderWaiting is the PromQL for requests waiting on decoders, summed.",
     )
+    prefiller_requests: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="prefillerRequests is the PromQL for requests running and waiting on prefillers, summed.",
+    )
+    decoder_requests: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="decoderRequests is the PromQL for requests running and waiting on decoders, summed.",
+    )
 
 
 class AutoscalingSpec(ApiModel):
@@ -110,6 +131,13 @@ class AutoscalingSpec(ApiModel):
         le=100_000,
         description="prefillerQueueHigh is the mean requests waiting per prefiller that, while growing, adds "
         "a prefiller.",
+    )
+    replica_startup_s: float = Field(
+        default=60,
+        ge=0,
+        le=86_400,
+        description="replicaStartupS is how long a new replica takes from being asked for to serving (scheduling, "
+        "image pull, model load). A replica is added for a backlog only when the backlog would outlast it.",
     )
     selector: str | None = Field(
         default=None,

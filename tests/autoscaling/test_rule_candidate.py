@@ -1,0 +1,125 @@
+"""The queue-length rule as one of the autoscaler's candidates, judged by the model; and the rising-rate forecast.
+
+Who this guards: ``coserve.autoscaling.policy.decide`` (the rule, ``rule_count``; the backlog judgement; the
+forecast) and ``thresholds_for`` (the spec's knobs). The ``autoscaling`` benchmark judges the outcome against
+the swept rule; these tests pin each step of the decision.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from coserve.api.parse import parse_pool
+from coserve.autoscaling.policy import (
+    DEFAULT_PREFILLER_TARGET,
+    Replicas,
+    Signals,
+    Thresholds,
+    decide,
+    rate_lag_s,
+    rule_count,
+    thresholds_for,
+)
+from coserve.provisioning import plan_for
+from pool_builders import sample_pool
+
+POOL = sample_pool()  # L_in 2000, L_d 500, W 60 s; R* = 4.76/s per prefiller
+SPEC = parse_pool(POOL).spec
+LIMITS = Thresholds(max_replicas=Replicas(64, 256), rate_headroom=1.0, stabilization_window_s=300.0)
+
+
+def planned(rate: float) -> Replicas:
+    plan = plan_for(SPEC.model_copy(update={"workload": SPEC.workload.model_copy(update={"arrival_rate_per_s": rate})}))
+    return Replicas(plan.prefillers, plan.decoders)
+
+
+@pytest.mark.parametrize(
+    ("current", "requests", "target", "count"),
+    [
+        (2, 8.0, 2.0, 4),  # 4 per replica, twice the target
+        (3, 6.0, 2.0, 3),  # on target
+        (3, 6.5, 2.0, 3),  # 8 % above: within the HPA's 10 % tolerance
+        (3, 7.0, 2.0, 4),  # 17 % above: ceil(3 x 7/6)
+        (4, 2.0, 2.0, 1),  # a quarter of the target: ceil(4 x 1/4)
+        (0, 5.0, 2.0, None),  # no replicas (an aggregated pool's prefillers)
+        (2, None, 2.0, None),  # no sample
+        (2, 4.0, None, None),  # no target
+    ],
+)
+def test_the_rule_is_the_hpa_s_formula(current: int, requests: float | None, target: float | None,
+                                        count: int | None) -> None:  # fmt: skip
+    assert rule_count(current, requests, target) == count
+
+
+def test_the_rule_s_extra_replicas_are_added_when_the_backlog_outlasts_a_start_up() -> None:
+    # one prefiller serves 4.76/s; at 4.5/s it has 0.26/s to spare, so 30 waiting take ~115 s to clear, longer
+    # than the 60 s a new one takes to start: the rule's 20 are capped at the 2 that serve 4.5/s and clear them
+    base = planned(4.5)
+    signals = Signals(arrival_rate_per_s=4.5, prefiller_queue=30.0, prefiller_requests=40.0)
+    decision = decide(SPEC, signals, base, 1000.0, thresholds=LIMITS)
+    assert base.prefillers == 1
+    assert decision.replicas.prefillers == 2
+    assert "the queue-length rule (40 running + waiting, target 2 each) asks for 20; at most 2 serve" in decision.reason
+
+
+def test_the_rule_s_extra_replicas_are_not_added_for_a_backlog_that_clears_before_they_would_serve() -> None:
+    base = planned(2.0)
+    signals = Signals(arrival_rate_per_s=2.0, prefiller_queue=9.0, prefiller_requests=10.0)
+    decision = decide(SPEC, signals, base, 1000.0, thresholds=LIMITS)
+    assert decision.replicas == base and decision.recommended == base
+    assert "the queue-length rule (10 running + waiting, target 2 each): 5 prefillers, not added: " in decision.reason
+    assert "before a new one serves (60s)" in decision.reason
+    # the same backlog with a start-up of a second is worth a replica: the rule's 5, capped at what clears it
+    quick = decide(SPEC, signals, base, 1000.0, thresholds=Thresholds(rate_headroom=1.0, startup_s=1.0))
+    assert quick.replicas.prefillers > base.prefillers
+
+
+def test_a_growing_queue_confirms_the_model_s_need_within_its_tolerance() -> None:
+    # at 4.9/s the model wants 2 prefillers and 5 decoders, 3 % past one prefiller's R*: held at (1, 3) within
+    # the 10 % tolerance. A flat queue of 3 clears in a second on the model's 2: the rule's 4 add nothing. The
+    # same queue grown since the last evaluation is not clearing: the rule asks for 4, the model caps it at
+    # its own 2, and the prefillers go up; the decoders stay held.
+    signals = Signals(arrival_rate_per_s=4.9, prefiller_queue=3.0, prefiller_requests=8.0)
+    flat = decide(SPEC, signals, Replicas(1, 3), 1000.0, thresholds=LIMITS, last_prefiller_queue=3.0)
+    grew = decide(SPEC, signals, Replicas(1, 3), 1000.0, thresholds=LIMITS, last_prefiller_queue=1.0)
+    assert planned(4.9) == Replicas(2, 5)
+    assert flat.replicas == Replicas(1, 3) and ": 4 prefillers, not added: its 2 serve" in flat.reason
+    assert grew.replicas == Replicas(2, 3)
+    assert "asks for 4; at most 2 serve 4.9/s" in grew.reason
+
+
+def test_the_decoders_rule_targets_what_a_decoder_s_kv_cache_holds_by_default() -> None:
+    plan = plan_for(SPEC)
+    base = Replicas(plan.prefillers, plan.decoders)
+    slots = plan.kv_slots_per_decoder
+    signals = Signals(arrival_rate_per_s=SPEC.workload.arrival_rate_per_s, decoder_requests=3.0 * slots * base.decoders)
+    decision = decide(SPEC, signals, base, 1000.0, thresholds=LIMITS)
+    assert f"target {slots:g} each" in decision.reason
+
+
+def test_a_rising_rate_is_planned_for_when_a_new_replica_will_serve() -> None:
+    # 4.0/s 15 s ago, 4.5/s now: rising 1/30 per second; over the rate's 60 s lag and a 60 s start-up, 8.5/s
+    rising = decide(SPEC, Signals(arrival_rate_per_s=4.5), Replicas(1, 1), 1000.0, thresholds=LIMITS,
+                    last_arrival=(985.0, 4.0))  # fmt: skip
+    assert rising.recommended == planned(8.5) != planned(4.5)
+    assert "rising to 8.5/s" in rising.reason
+    assert rising.arrival == (1000.0, 4.5)
+    falling = decide(SPEC, Signals(arrival_rate_per_s=4.5), Replicas(1, 1), 1000.0, thresholds=LIMITS,
+                     last_arrival=(985.0, 5.0))  # fmt: skip
+    assert falling.recommended == planned(4.5) and "rising" not in falling.reason
+
+
+def test_the_spec_sets_the_rule_s_targets_the_start_up_and_the_rate_s_lag() -> None:
+    assert thresholds_for(SPEC).prefiller_target_requests == DEFAULT_PREFILLER_TARGET
+    assert thresholds_for(SPEC).decoder_target_requests is None and thresholds_for(SPEC).rate_lag_s == 60.0
+    scaling = {
+        "prefillers": {"targetRequestsPerReplica": 6},
+        "decoders": {"targetRequestsPerReplica": 48},
+        "replicaStartupS": 240,
+        "queries": {"arrivalRate": "sum(rate(conversations[30s]))"},
+    }
+    pool = {**POOL, "spec": {**POOL["spec"], "autoscaling": scaling}}
+    limits = thresholds_for(parse_pool(pool).spec)
+    assert (limits.prefiller_target_requests, limits.decoder_target_requests) == (6, 48)
+    assert limits.startup_s == 240 and limits.rate_lag_s == 15.0
+    assert rate_lag_s("sum(my_rate)") == 0.0  # no window to read: the forecast uses the start-up alone
