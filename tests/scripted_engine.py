@@ -49,9 +49,11 @@ class ScriptedEngine:
         self.hold_after: int | None = None  # index of the part after which the stream waits for ``release``
         self.release = threading.Event()
         self.released_in_time: bool | None = None
+        self.delay_s = 0.0  # before answering a completion request
 
         async def complete(request: Request) -> Response:
             body = await request.json()
+            await asyncio.sleep(self.delay_s)
             self.requests.append(body)
             self.headers.append(dict(request.headers))
             if self.fail_next > 0:

@@ -21,6 +21,7 @@ import pytest
 
 from coserve.router.app import Router, build_app
 from coserve.router.config import RouterConfig, parse_router_config
+from epp_gateway import Gateway, Picker
 from router_served import MODEL, Served
 from scripted_engine import ScriptedEngine
 
@@ -33,8 +34,10 @@ CLIENT_XARGS = {"coserve_from_router": True, "coserve_board": "board-x", "COSERV
 ROUTER_XARGS = {"coserve_class", "ttft_slo_ms", "tpot_slo_ms"}
 
 
-@pytest.fixture
-def pool() -> Iterator[dict[str, Any]]:
+@pytest.fixture(params=["router", "gateway"])
+def pool(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The pool's front: coserve's router, or a real Envoy whose endpoint picker is coserve's (``gateway``):
+    every request shape here holds for both."""
     prefiller = ScriptedEngine("p")
     prefiller.answer_kv_params = PREFILLED
     decoder = ScriptedEngine("d", conversations=True)
@@ -42,11 +45,19 @@ def pool() -> Iterator[dict[str, Any]]:
         {"model": MODEL, "prefillers": [prefiller.url], "decoders": [decoder.url], "kvTransferParams": True,
          "pollS": 0.05}
     )  # fmt: skip
-    router = Served(build_app(config))
+    fronts: list[Any] = []
     try:
-        yield {"router": router.url, "prefiller": prefiller, "decoder": decoder, "config": config}
+        if request.param == "router":
+            fronts.append(Served(build_app(config)))
+            url = fronts[0].url
+        else:
+            fronts.append(Picker(config))
+            fronts.insert(0, Gateway(fronts[0].port))
+            url = fronts[0].url
+        yield {"router": url, "prefiller": prefiller, "decoder": decoder, "config": config}
     finally:
-        router.stop()
+        for front in fronts:
+            front.stop()
         prefiller.stop()
         decoder.stop()
 

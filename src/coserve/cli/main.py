@@ -123,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_profile_command(commands)
     _add_operator_command(commands)
     _add_router_command(commands)
+    _add_epp_command(commands)
     _add_up_command(commands)
     add_bench_command(commands)
     add_simulate_command(commands, _add_profile_option)
@@ -192,7 +193,58 @@ def _add_router_command(commands: Any) -> None:
     router.set_defaults(handler=_cmd_router)
 
 
-def _cmd_router(args: argparse.Namespace) -> int:
+def _add_epp_command(commands: Any) -> None:
+    epp = commands.add_parser(
+        "epp",
+        help="run the pool's placement as a Gateway API Inference Extension endpoint picker",
+        description="Serve Envoy's external-processing gRPC API (ext_proc) as GAIE's endpoint picker protocol "
+        "specifies: each completion request is admitted and placed as the router places it (the conversation's "
+        "decoder; turn 1 prefilled where its first token comes soonest), and the gateway forwards it to the "
+        "picked engine itself. The config is the router.json the operator renders. With --envoy-config, write "
+        "an Envoy bootstrap that uses this picker and exit.",
+    )
+    epp.add_argument("--config", required=True, metavar="FILE", help="router.json")
+    epp.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")  # noqa: S104
+    epp.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port (default: 9002)")
+    epp.add_argument("--metrics-port", type=int, default=9090, help="/metrics port; 0: none (default: 9090)")
+    epp.add_argument(
+        "--envoy-config", metavar="FILE", help="write an Envoy bootstrap (JSON) for a gateway on --gateway-port"
+    )
+    epp.add_argument("--gateway-port", type=int, default=8080, help="the Envoy listener's port (default: 8080)")
+    epp.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), default="info", help="log level (default: info)"
+    )
+    epp.set_defaults(handler=_cmd_epp)
+
+
+def _cmd_epp(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import logging
+    from pathlib import Path
+
+    config = _router_config(args)
+    for flag, port in (("--metrics-port", args.metrics_port), ("--gateway-port", args.gateway_port)):
+        if port and not 1 <= port <= 65535:
+            raise InvalidInput([Problem(flag, f"must be a port number, got {port}")])
+    from coserve.epp.envoy import envoy_bootstrap
+
+    if args.envoy_config:
+        picker_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # noqa: S104
+        bootstrap = envoy_bootstrap(listen_port=args.gateway_port, picker_host=picker_host, picker_port=args.port,
+                                    max_request_bytes=config.max_body_bytes)  # fmt: skip
+        Path(args.envoy_config).write_text(json.dumps(bootstrap, indent=2) + "\n")
+        print(f"wrote {args.envoy_config}: run `envoy -c {args.envoy_config}` beside `coserve epp`")
+        return EXIT_OK
+    from coserve.epp.server import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config, args.host, args.port, args.metrics_port or None))
+    return EXIT_OK
+
+
+def _router_config(args: argparse.Namespace) -> Any:
+    """``--config``'s router.json, parsed, and ``--port`` checked (``coserve router`` and ``coserve epp``)."""
     import json
     from pathlib import Path
 
@@ -209,7 +261,11 @@ def _cmd_router(args: argparse.Namespace) -> int:
         raise InvalidInput([Problem("--config", f"{path} must hold a JSON object")])
     if not 1 <= args.port <= 65535:
         raise InvalidInput([Problem("--port", f"must be a port number, got {args.port}")])
-    config = parse_router_config(data)
+    return parse_router_config(data)
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    config = _router_config(args)
 
     import uvicorn
 

@@ -37,6 +37,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -57,6 +58,18 @@ from coserve.router.policy import (
 from coserve.router.upstream import Unavailable, Upstream
 
 logger = logging.getLogger("coserve.router")
+
+
+@dataclass
+class Placed:
+    """A placed request: the decoder it goes to, the body to send (with the prefiller's transfer parameters
+    when turn 1 was prefilled there), the prompt tokens the decoder computes, and its conversation's pin
+    (``None`` under ``placement: request``)."""
+
+    decoder: EngineLoad
+    body: dict[str, Any]
+    computes: int
+    pin: Pin | None
 
 
 def endpoint_path(endpoint: str) -> str:
@@ -86,46 +99,80 @@ class Placement:
     ) -> Response:  # fmt: skip
         """The decoder's answer to an admitted request, placed as the module says; 502/503 when none answers."""
         path = endpoint_path(endpoint)
-        now = self.clock()
         if self.config.placement == "request":
             return await self._route_request(path, body, cls, slo_s, arrived)
+        conversation, pin = await self.known_pin(endpoint, body, conversation, named)
+        tried: set[str] = set()
+        for attempt in range(2):
+            placed = await self.place_on(path, body, conversation, pin, slo_s, tried, first=attempt == 0)
+            if not isinstance(placed, Placed):
+                return placed
+            pin = placed.pin
+            first_arrival = pin.first_arrival_s if pin is not None else arrived
+            try:
+                return await self.upstream.forward(
+                    placed.decoder, path, placed.body, cls, slo_s, arrived, first_arrival, conversation,
+                    placed.computes,
+                )  # fmt: skip
+            except Unavailable as failure:
+                tried.add(placed.decoder.url)
+                self.forward_failed(placed.decoder, failure, conversation)
+        return error_response(502, "the decoders failed to answer; the request was tried twice")
+
+    async def known_pin(
+        self, endpoint: str, body: Mapping[str, Any], conversation: str, named: bool
+    ) -> tuple[str, Pin | None]:
+        """The conversation's name as placed (``placement: turn`` makes each turn a new one) and its pin, from
+        this replica's table or, for a request that may continue an earlier turn, from the decoders."""
+        now = self.clock()
         if self.config.placement == "turn":
             conversation = f"{conversation}/{uuid.uuid4().hex}"  # every turn a new conversation
         pin = self.pins.get(conversation, now)
         continued = is_continuation(endpoint, body, named)
         if pin is None and self.config.placement == "conversation" and continued is not False:
             pin = await self.find_pin(conversation, now)
-        tried: set[str] = set()
-        for attempt in range(2):
-            decoder = self.engines.decoders.get(pin.decoder) if pin is not None else None
-            if decoder is None or not decoder.healthy or decoder.url in tried:
-                new = pin is None and attempt == 0  # no pin here, and no decoder holds it
-                if new:
-                    self.metrics.conversations.inc()
-                else:  # its decoder is gone
-                    self.metrics.replacements.inc()
-                candidates = [d for d in self.engines.decoders.values() if d.url not in tried]
-                decoder = choose_decoder(candidates, self.config.decoder_full)
-                if decoder is None:
-                    return error_response(
-                        503, "no decoder can take a new conversation now (all full or down); retry shortly"
-                    )
-                body, computes = await self._prefill(path, body, slo_s, decoder, count_input=new)
-                pin = self.pins.pin(conversation, decoder.url, now)
-            else:
-                self.metrics.turns.inc()
-                computes = 0  # its earlier turns' KV is there: what it appends is not counted
-            assert pin is not None  # noqa: S101 - set on both branches above (for the type checker)
-            pin.turns += 1
-            decoder.admitted_tokens += estimate_tokens(body)
-            try:
-                return await self.upstream.forward(
-                    decoder, path, body, cls, slo_s, arrived, pin.first_arrival_s, conversation, computes
+        return conversation, pin
+
+    async def place_on(
+        self, path: str, body: dict[str, Any], conversation: str, pin: Pin | None, slo_s: float,
+        tried: set[str] | frozenset[str] = frozenset(), first: bool = True,
+    ) -> Placed | Response:  # fmt: skip
+        """Where a pinned request goes: its pin's decoder while that is up (and not in ``tried``); otherwise a
+        new placement, prefilled where its first token comes soonest and pinned. A 503 when no decoder can
+        take it. Who calls it: ``route`` (then forwards), and ``coserve.epp`` (Envoy forwards)."""
+        now = self.clock()
+        decoder = self.engines.decoders.get(pin.decoder) if pin is not None else None
+        if decoder is None or not decoder.healthy or decoder.url in tried:
+            new = pin is None and first  # no pin here, and no decoder holds it
+            if new:
+                self.metrics.conversations.inc()
+            else:  # its decoder is gone
+                self.metrics.replacements.inc()
+            candidates = [d for d in self.engines.decoders.values() if d.url not in tried]
+            decoder = choose_decoder(candidates, self.config.decoder_full)
+            if decoder is None:
+                return error_response(
+                    503, "no decoder can take a new conversation now (all full or down); retry shortly"
                 )
-            except Unavailable as failure:
-                tried.add(decoder.url)
-                self.forward_failed(decoder, failure, conversation)
-        return error_response(502, "the decoders failed to answer; the request was tried twice")
+            body, computes = await self._prefill(path, body, slo_s, decoder, count_input=new)
+            pin = self.pins.pin(conversation, decoder.url, now)
+        else:
+            self.metrics.turns.inc()
+            computes = 0  # its earlier turns' KV is there: what it appends is not counted
+        assert pin is not None  # noqa: S101 - set on both branches above (for the type checker)
+        pin.turns += 1
+        decoder.admitted_tokens += estimate_tokens(body)
+        return Placed(decoder, body, computes, pin)
+
+    def least_occupied(self, body: Mapping[str, Any]) -> Placed | Response:
+        """``placement: request`` for one request whose proxy forwards it (``coserve.epp``): the least-occupied
+        decoder computes what it lacks; nothing is pinned."""
+        decoder = choose_decoder(list(self.engines.decoders.values()), self.config.decoder_full)
+        if decoder is None:
+            return error_response(503, "no decoder can take the request now (all full or down); retry shortly")
+        tokens = estimate_tokens(body)
+        decoder.admitted_tokens += tokens
+        return Placed(decoder, dict(body), tokens, None)
 
     async def _route_request(self, path: str, body: dict[str, Any], cls: str, slo_s: float, arrived: float) -> Response:
         """The per-request baseline: the least-occupied decoder computes what it lacks; nothing is pinned."""

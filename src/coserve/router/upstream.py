@@ -104,6 +104,11 @@ class Upstream:
             if self._session is not None:
                 self._session.headers[ROUTER_TOKEN_HEADER] = token  # the session's default headers, live
 
+    def engine_headers(self) -> dict[str, str]:
+        """The headers every request to an engine carries (the router token, when one is mounted): what a proxy
+        that forwards for the router (``coserve.epp``) adds."""
+        return dict(self._upstream_headers)
+
     # -- engines' answers about themselves ---------------------------------------------------------
 
     async def metrics_text(self, url: str) -> str:

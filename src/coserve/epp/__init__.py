@@ -1,0 +1,1 @@
+"""coserve's placement as a Gateway API Inference Extension endpoint picker (``coserve epp``)."""

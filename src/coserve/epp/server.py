@@ -1,0 +1,272 @@
+"""``coserve epp``: the router's placement behind a gateway, as an Envoy external processor (ext_proc).
+
+Who calls it: ``coserve epp --config router.json`` (``serve``); the gateway's Envoy opens one ``Process`` stream
+per HTTP request (``EndpointPicker``); tests run both (``tests/epp``). The decisions are the router's own:
+``coserve.router.admission`` reads, strips, checks and classes the request, ``coserve.router.placement`` finds
+or makes its conversation's pin and, on turn 1, prefills it where its first token comes soonest. What differs
+is who carries the bytes: Envoy forwards the request to the picked decoder and streams its answer back; the
+picker sees only the request (headers and the buffered body) and the answer's headers.
+
+One request's exchange, as GAIE's endpoint picker protocol (``coserve.epp.protocol``) and the Envoy
+configuration ``coserve.epp.envoy`` writes have it:
+
+1. request headers: continue (the body comes next), or, for a request without a body, pick the
+   least-occupied decoder now;
+2. request body (buffered whole): on ``/v1/chat/completions`` and ``/v1/completions``, admit and place it as
+   the router does. The answer sets ``x-gateway-destination-endpoint`` (and the same in the ``envoy.lb``
+   dynamic metadata), the engine headers the router would send (its token; the conversation), and the body
+   as the engine gets it: engine-internal fields stripped, the class in ``vllm_xargs``, and on a turn 1
+   prefilled on a prefiller the prefiller's ``kv_transfer_params``, so the decoder pulls the KV once. A
+   refusal is an immediate response with the router's OpenAI error body (400, 404, 413; 503 with no
+   decoder);
+3. response headers: the decoder answered (a 502/503/504 counts as a failed forward, as the router counts
+   it); its status is counted by endpoint;
+4. the stream's end: the decoder's ledger entry is closed (the turn-1 prefill-site choice reads the ledger).
+
+The picker keeps pins as the router does: in memory, and on the decoders, which every replica (router or
+picker) asks about a conversation it holds no pin for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from starlette.responses import Response
+
+from coserve.epp.protocol import DESTINATION_HEADER, LB_NAMESPACE
+from coserve.router import fastjson
+from coserve.router.admission import Admitted, admit, error_response
+from coserve.router.app import Router
+from coserve.router.config import RouterConfig
+from coserve.router.placement import Placed, endpoint_path
+from coserve.router.policy import EngineLoad
+from coserve.router.routes import HOT_PATHS
+from coserve.router.upstream import CONVERSATION_HEADER, Unavailable, output_tokens
+
+__all__ = ["EndpointPicker", "serve"]
+
+logger = logging.getLogger("coserve.epp")
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_FAILED_FORWARD = {502, 503, 504}  # what the router retries elsewhere: the decoder did not answer
+# gRPC health services the gateway may probe (GAIE: liveness, readiness and the ext_proc service itself)
+HEALTH_SERVICES = ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+
+
+class _Buffered:
+    """A buffered request as ``coserve.router.admission`` reads one (lower-case headers, the body's chunks)."""
+
+    def __init__(self, headers: Mapping[str, str], body: bytes) -> None:
+        self.headers = headers
+        self._body = body
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        yield self._body
+
+
+def _headers(message: ext_proc.HttpHeaders) -> dict[str, str]:
+    return {h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value for h in message.headers.headers}
+
+
+def _set(headers: Mapping[str, str]) -> ext_proc.HeaderMutation:
+    return ext_proc.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
+            )
+            for k, v in headers.items()
+        ]
+    )
+
+
+def _immediate(response: Response) -> ext_proc.ProcessingResponse:
+    """The router's error answer, sent by Envoy without reaching any engine."""
+    return ext_proc.ProcessingResponse(
+        immediate_response=ext_proc.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=response.status_code),
+            headers=_set({"content-type": "application/json"}),
+            body=bytes(response.body),
+            details="coserve_epp",
+        )
+    )
+
+
+def _address(decoder: EngineLoad) -> str:
+    """``ip:port`` of an engine URL (``http://10.0.0.7:8000``), as the protocol's header carries it."""
+    return decoder.url.split("://", 1)[-1].rstrip("/")
+
+
+class _Exchange:
+    """One HTTP request's conversation with the gateway (module steps 1-4)."""
+
+    _ledger_ids = itertools.count()
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.headers: dict[str, str] = {}
+        self.body = bytearray()
+        self.endpoint: str | None = None
+        self.decoder: EngineLoad | None = None
+        self.conversation: str | None = None
+        self.ledger: str | None = None
+        self.answered = False
+
+    async def answer(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            self.headers = _headers(message.request_headers)
+            self.endpoint = HOT_PATHS.get(self.headers.get(":path", "").split("?", 1)[0])
+            if message.request_headers.end_of_stream:  # no body: nothing to admit, any decoder will do
+                return self._pick_any("request_headers")
+            return ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
+        if kind == "request_body":
+            self.body += message.request_body.body
+            if not message.request_body.end_of_stream:
+                return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
+            if self.endpoint is None or self.headers.get(":method", "POST") != "POST":
+                return self._pick_any("request_body")
+            return await self._place(self.endpoint)
+        if kind == "response_headers":
+            self._answered(_headers(message.response_headers).get(":status", "0"))
+            return ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
+        empty: dict[str, Any] = {
+            "response_body": {"response_body": ext_proc.BodyResponse()},
+            "request_trailers": {"request_trailers": ext_proc.TrailersResponse()},
+            "response_trailers": {"response_trailers": ext_proc.TrailersResponse()},
+        }
+        return ext_proc.ProcessingResponse(**empty.get(kind or "", {}))
+
+    async def _place(self, endpoint: str) -> ext_proc.ProcessingResponse:
+        router = self.router
+        admitted = await admit(_Buffered(self.headers, bytes(self.body)), endpoint, router.config)
+        if not isinstance(admitted, Admitted):
+            return self._refused(admitted)
+        placement = router.placement
+        if router.config.placement == "request":
+            placed = placement.least_occupied(admitted.body)
+        else:
+            conversation, pin = await placement.known_pin(
+                endpoint, admitted.body, admitted.conversation, admitted.named
+            )
+            placed = await placement.place_on(endpoint_path(endpoint), admitted.body, conversation, pin,
+                                              admitted.cls.ttft_slo_s)  # fmt: skip
+            self.conversation = conversation
+        if not isinstance(placed, Placed):
+            return self._refused(placed)
+        return self._forward(placed, "request_body")
+
+    def _pick_any(self, kind: str) -> ext_proc.ProcessingResponse:
+        placed = self.router.placement.least_occupied({})
+        if not isinstance(placed, Placed):
+            return self._refused(placed)
+        return self._forward(placed, kind, body=False)
+
+    def _forward(self, placed: Placed, kind: str, body: bool = True) -> ext_proc.ProcessingResponse:
+        """Envoy's instructions: the decoder, the headers the router would send it, and the body it gets."""
+        self.decoder = placed.decoder
+        self.ledger = f"e{next(self._ledger_ids)}"
+        placed.decoder.sent(self.ledger, placed.computes, output_tokens(placed.body))
+        destination = _address(placed.decoder)
+        headers = {DESTINATION_HEADER: destination, **self.router.upstream.engine_headers()}
+        if self.conversation is not None:
+            headers[CONVERSATION_HEADER] = self.conversation
+        common = ext_proc.CommonResponse(header_mutation=_set(headers))
+        if body:
+            content = fastjson.dumps(placed.body)
+            headers["content-length"] = str(len(content))
+            common = ext_proc.CommonResponse(
+                header_mutation=_set(headers),
+                body_mutation=ext_proc.BodyMutation(body=content),
+            )
+        metadata = struct_pb2.Struct()
+        metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: destination}})
+        answer = (
+            ext_proc.HeadersResponse(response=common)
+            if kind == "request_headers"
+            else ext_proc.BodyResponse(response=common)
+        )
+        return ext_proc.ProcessingResponse(dynamic_metadata=metadata, **{kind: answer})
+
+    def _refused(self, response: Response) -> ext_proc.ProcessingResponse:
+        self.router.metrics.requests_of(self.endpoint or "other", str(response.status_code)).inc()
+        self.answered = True
+        return _immediate(response)
+
+    def _answered(self, status: str) -> None:
+        """The decoder's answer began (or Envoy answered for it: a 503 when it could not connect)."""
+        self.answered = True
+        self.router.metrics.requests_of(self.endpoint or "other", status).inc()
+        decoder = self.decoder
+        if decoder is None:
+            return
+        code = int(status) if status.isdigit() else 0
+        if code in _FAILED_FORWARD:
+            self.router.placement.forward_failed(decoder, Unavailable(f"HTTP {code}"), self.conversation)
+        else:
+            decoder.forward_answered()
+
+    def done(self) -> None:
+        """The gateway closed the stream: the request is over (answered, or abandoned by the client)."""
+        if self.decoder is not None and self.ledger is not None:
+            self.decoder.answered(self.ledger)
+
+
+class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """Envoy's external processor: one ``Process`` stream per HTTP request (module steps)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Process(  # the gRPC method's name
+        self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ext_proc.ProcessingResponse]:
+        exchange = _Exchange(self.router)
+        try:
+            async for message in request_iterator:
+                try:
+                    yield await exchange.answer(message)
+                except Exception:  # never a traceback to the gateway: the client gets the router's 500 body
+                    logger.exception("endpoint picker failed on a request")
+                    yield _immediate(error_response(500, "internal error in the endpoint picker; it is logged"))
+                    return
+        finally:
+            exchange.done()
+
+
+async def serve(config: RouterConfig, host: str, port: int, metrics_port: int | None = None) -> None:
+    """Run the picker until cancelled: the router's state (engines polled, pins), the ext_proc service, gRPC
+    health, and the router's metrics on ``metrics_port``."""
+    router = Router(config.model_copy(update={"batch_dir": None}))  # batches are the router's, not the picker's
+    await router.start()
+    server = grpc.aio.server()
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot listen on {host}:{port}")
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=host, registry=router.metrics.registry)
+    await server.start()
+    for service in HEALTH_SERVICES:  # serving once the engines were read (router.start)
+        await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("endpoint picker listening on %s:%d", host, port)
+    try:
+        await server.wait_for_termination()
+    finally:
+        with contextlib.suppress(Exception):
+            await server.stop(grace=1.0)
+        await router.close()
