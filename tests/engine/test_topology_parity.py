@@ -10,7 +10,8 @@ pod's IP. In the router's config the Services become the two engines' URLs, the 
 lock a file lock (no API server here), and turn 1 is held to the prefiller (``prefillSite: prefiller``:
 the handoff is what this test is for; with both engines idle the decoder would prefill it itself).
 
-Over a two-turn conversation through the router, the decoder's own counters
+Over a two-turn conversation through the router, and again through a real Envoy whose endpoint picker is
+coserve's (``coserve epp``'s placement, ``tests/epp_gateway.py``), the decoder's own counters
 (``vllm:prompt_tokens_by_source{source="local_compute"|"external_kv_transfer"}``) must show that it
 loaded turn 1's KV rather than computing it, and computed little more than turn 2's appended tokens. It
 fails (checked) on each way the parts can disagree:
@@ -41,6 +42,7 @@ from coserve.engine.rendered import config_files
 from coserve.engine.tiny_model import build_tiny_model
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
+from epp_gateway import Gateway, Picker
 from pod_network import PodNetwork
 from rendered_cpu_engine import RenderedEngine, render
 from router_served import Served
@@ -91,18 +93,23 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                    "batchDir": str(workdir / "batches"), "batchLock": "file", "prefillSite": "prefiller"}  # fmt: skip
         token = workdir / "prefiller" / "etc-coserve-token" / "token"
         with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("COSERVE_ROUTER_TOKEN_FILE", str(token))  # the router's mounted Secret
+            patch.setenv("COSERVE_ROUTER_TOKEN_FILE", str(token))  # the router's (and picker's) mounted Secret
             router = Served(build_app(parse_router_config(config)))
+            picker = Picker(parse_router_config(config))  # the same placement as a gateway's endpoint picker
+        gateway = Gateway(picker.port, message_timeout_s=300)
+        model_name = prefiller.argv[prefiller.argv.index("--served-model-name") + 1]
         try:
-            yield {"router": router.url, "decoder": decoder, "prefiller": prefiller, "rendered": rendered,
-                   "model": prefiller.argv[prefiller.argv.index("--served-model-name") + 1]}  # fmt: skip
+            yield {"router": router.url, "gateway": gateway.url, "decoder": decoder, "prefiller": prefiller,
+                   "rendered": rendered, "model": model_name}  # fmt: skip
         finally:
+            gateway.stop()
+            picker.stop()
             router.stop()
 
 
-def turn(pool: dict[str, Any], prompt: list[int], conversation: str) -> list[int]:
+def turn(pool: dict[str, Any], prompt: list[int], conversation: str, front: str = "router") -> list[int]:
     response = httpx.post(
-        f"{pool['router']}/v1/completions",
+        f"{pool[front]}/v1/completions",
         headers={"x-conversation-id": conversation},
         json={"model": pool["model"], "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
               "return_token_ids": True},
@@ -135,11 +142,17 @@ def test_the_engines_run_vllms_nixl_connector_with_the_side_channel_on_the_pod_i
     assert prefiller.launch.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == prefiller.base.split("//")[1].split(":")[0]
 
 
-def test_the_decoder_loads_turn_one_and_computes_only_what_each_turn_appends(pool: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("front", "seed"), [("router", 7), ("gateway", 13)])
+def test_the_decoder_loads_turn_one_and_computes_only_what_each_turn_appends(
+    pool: dict[str, Any], front: str, seed: int
+) -> None:
+    """Through coserve's router, and through a real Envoy whose endpoint picker is coserve's (the picker prefills
+    turn 1 on the prefiller and hands the decoder its transfer parameters; Envoy carries the request). Each
+    front's conversation has prompts of its own, so neither finds the other's KV in the decoder's cache."""
     decoder = pool["decoder"].base
-    first = [16 + (i * 7) % 900 for i in range(6 * BLOCK + 40)]  # 6 full blocks and a tail
+    first = [16 + (i * seed) % 900 for i in range(6 * BLOCK + 40)]  # 6 full blocks and a tail
     before = by_source(decoder)
-    answer = turn(pool, first, "topology-1")
+    answer = turn(pool, first, f"topology-{front}", front)
     after_first = by_source(decoder)
     loaded = delta(after_first, before, "external_kv_transfer")
     computed = delta(after_first, before, "local_compute")
@@ -150,7 +163,7 @@ def test_the_decoder_loads_turn_one_and_computes_only_what_each_turn_appends(poo
 
     appended = [16 + (i * 11) % 900 for i in range(50)]
     second = [*first, *answer, *appended]
-    turn(pool, second, "topology-1")
+    turn(pool, second, f"topology-{front}", front)
     after_second = by_source(decoder)
     computed = delta(after_second, after_first, "local_compute")
     # turn 2 finds turn 1 in the decoder's own cache: it computes its appended tokens and the answer's, plus
