@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
-# The coserve control-plane image: the operator and the router (`coserve ...`, extras operator and
-# router, versions from constraints.txt). The engines run images/vllm/Dockerfile instead.
+# The coserve control-plane image: the operator, the router and the endpoint picker (`coserve ...`, extras
+# operator, router and epp, versions from constraints.txt). The engines run images/vllm/Dockerfile instead.
 #
 #   docker build -t ghcr.io/coserve/coserve:0.1.0 .
 #
@@ -14,14 +14,14 @@ WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
 COPY src ./src
 RUN /opt/venv/bin/pip wheel --no-deps --wheel-dir /wheels . \
- && /opt/venv/bin/pip install -c constraints.txt "$(echo /wheels/coserve-*.whl)[operator,router]"
+ && /opt/venv/bin/pip install -c constraints.txt "$(echo /wheels/coserve-*.whl)[operator,router,epp]"
 
 
 FROM python:3.11-slim
 
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="coserve" \
-      org.opencontainers.image.description="coserve control plane: the CoServePool operator and the router" \
+      org.opencontainers.image.description="coserve control plane: the CoServePool operator, the router and the endpoint picker" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.source="https://github.com/coserve/coserve" \
       org.opencontainers.image.licenses="Apache-2.0"

@@ -35,7 +35,12 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "ttfet": (*ENGINE, "benchmarks/ttfet.py"),
     "harvest_pool": (*ENGINE, "benchmarks/harvest_pool.py"),
     # the script starts ``coserve router`` processes: the router app (and what it imports) is a root, not an import
-    "router_overhead": ("benchmarks/router_overhead.py", "src/coserve/router/app.py"),
+    "router_overhead": ("benchmarks/router_overhead.py", "src/coserve/router/app.py", "src/coserve/epp/server.py"),
+    "router_overhead_stream": (
+        "benchmarks/router_overhead.py",
+        "src/coserve/router/app.py",
+        "src/coserve/epp/server.py",
+    ),
     "router_pins": ("benchmarks/router_overhead.py", "src/coserve/router/app.py"),
     "reconcile": ("benchmarks/reconcile.py",),
     "autoscaling": ("benchmarks/autoscaling.py",),

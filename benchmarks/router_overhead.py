@@ -69,6 +69,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from harness.gateway import gateway
 from harness.peers import POLICIES, free_port, launched, vllm_router_command
 from harness.results import Table, ratio, show, write_result
 from harness.stats import percentile, say
@@ -91,6 +92,16 @@ PEER_THREADS = (1, 2)  # TOKIO_WORKER_THREADS; vllm-router's default is one per 
 PEER_P99_RATIO = 2.0  # coserve's added p99 at most this times vllm-router's
 PEER_CPU_RATIO = 1.5  # coserve's CPU per request at most this times vllm-router's
 NOTES: list[str] = []  # why a target is missed, and what would close it (set after a run)
+STREAM_TOKENS = 0  # --stream-tokens: the upstream streams this many tokens to a request that asks to stream
+EVENTS_PER_WRITE = 16  # the upstream's SSE events per write (an engine's output reaches the socket in bursts)
+TOKEN_EVENT = b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
+USAGE_EVENT = b'data: {"id":"x","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":3,' + (
+    b'"completion_tokens":256}}\n\n'
+)
+GATEWAY = "gateway"  # the arm: Envoy + coserve's endpoint picker
+GATEWAY_CPU_RATIO = {False: 1.5, True: 1.0}  # Envoy + picker CPU per request against vllm-router's (by streaming)
+GATEWAY_P99_RATIO = 1.5
+GATEWAY_OVER_ROUTER_STREAMING = 0.5  # Envoy + picker CPU per request against coserve's router, streaming
 CONVERSATIONS = ConversationLog()  # the fake decoder's record of the conversations it served
 
 
@@ -115,9 +126,23 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         for key, value in scope["headers"]:
             if key == b"x-coserve-conversation":
                 CONVERSATIONS.record(value.decode(), time.monotonic())
+        if STREAM_TOKENS and b'"stream":true' in raw.replace(b" ", b""):
+            await stream_answer(send, b"include_usage" in raw)
+            return
         body = ANSWER
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def stream_answer(send: Any, usage: bool) -> None:
+    """``STREAM_TOKENS`` tokens as vLLM streams them (one SSE event each), written ``EVENTS_PER_WRITE`` at a time,
+    then the usage event when asked for and ``[DONE]``."""
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for start in range(0, STREAM_TOKENS, EVENTS_PER_WRITE):
+        chunk = TOKEN_EVENT * min(EVENTS_PER_WRITE, STREAM_TOKENS - start)
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    tail = (USAGE_EVENT if usage else b"") + b"data: [DONE]\n\n"
+    await send({"type": "http.response.body", "body": tail})
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
@@ -139,6 +164,8 @@ def turn(index: int) -> dict[str, Any]:
     messages = [{"role": "user", "content": f"conversation {conversation}: task"}]
     for step in range(number):
         messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"step {step}"}]
+    if STREAM_TOKENS:
+        return {"model": "tiny", "messages": messages, "max_tokens": STREAM_TOKENS, "stream": True}
     return {"model": "tiny", "messages": messages, "max_tokens": 1}
 
 
@@ -420,11 +447,15 @@ def main() -> int:
                         help="vllm-router tokio worker thread counts swept")  # fmt: skip
     parser.add_argument("--profile-seconds", type=float, default=8.0,
                         help="then profile coserve's router with py-spy this long at --rate (0: none)")  # fmt: skip
+    parser.add_argument("--stream-tokens", type=int, default=0,
+                        help="tokens streamed per request (0: non-streaming; the targets name 256)")  # fmt: skip
+    parser.add_argument("--no-gateway", action="store_true", help="leave out the Envoy + endpoint picker arm")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pins:
         args.replicas, args.turns = 1, 1
     globals()["TURNS"] = args.turns
+    globals()["STREAM_TOKENS"] = args.stream_tokens
     cores = sorted(os.sched_getaffinity(0))
     pinned = not args.shared_cores and len(cores) >= 2
     client_cores, router_cores = ({cores[0]}, set(cores[1:])) if pinned else (set(cores), set(cores))
@@ -439,8 +470,10 @@ def main() -> int:
     config = workdir / "router.json"
     config.write_text(json.dumps({"model": "tiny", "decoders": [upstream], "pollS": 1.0, "maxPins": 200_000}))
     os.sched_setaffinity(0, client_cores)
-    bench = Bench(args, upstream, config, router_cores)
-    with launched([sys.executable, __file__, "--serve-upstream", str(up_port)], client_cores):
+    bench = Bench(args, upstream, config, router_cores, workdir)
+    upstream_command = [sys.executable, __file__, "--serve-upstream", str(up_port), "--stream-tokens",
+                        str(args.stream_tokens)]  # fmt: skip
+    with launched(upstream_command, client_cores):
         if args.pins:
             port = free_port()
             with launched(coserve_command(config, port), router_cores) as process:
@@ -463,6 +496,7 @@ class Bench:
     upstream: str
     config: Path
     router_cores: set[int]
+    workdir: Path
 
     @property
     def peers(self) -> list[tuple[str, int]]:
@@ -476,10 +510,16 @@ class Bench:
             f"{args.concurrency} clients for {args.seconds:.0f} s, per arm")  # fmt: skip
         arms: dict[Any, Arm] = {"direct": asyncio.run(measure_arm(args, [f"{self.upstream}/metrics"], [self.upstream],
                                                                   ()))}  # fmt: skip
-        order: list[Any] = [COSERVE, *self.peers]
+        order: list[Any] = [COSERVE, *([] if args.no_gateway else [GATEWAY]), *self.peers]
         for arm in order if number % 2 == 0 else order[::-1]:
-            arms[arm] = self.coserve() if arm == COSERVE else self.peer(*arm)
+            arms[arm] = self.coserve() if arm == COSERVE else self.gateway() if arm == GATEWAY else self.peer(*arm)
         return arms
+
+    def gateway(self) -> Arm:
+        """Envoy (one worker thread) with coserve's endpoint picker: one proxy and one picker, their CPU summed."""
+        say("Envoy + coserve's endpoint picker (one of each)")
+        with gateway(self.config, self.workdir, self.router_cores) as (url, ready, pids):
+            return asyncio.run(measure_arm(self.args, ready, [url], pids))
 
     def coserve(self) -> Arm:
         say(f"coserve ({self.args.replicas} process(es))")
@@ -560,7 +600,50 @@ def attribute(raw: str) -> dict[str, float]:
 
 
 def label(arm: Any) -> str:
+    if arm == GATEWAY:
+        return "Envoy + coserve endpoint picker"
     return arm if isinstance(arm, str) else f"vllm-router {arm[0]}, {arm[1]} thr"
+
+
+def gateway_comparison(arms: dict[Any, Arm], sweep: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
+    """Envoy + coserve's endpoint picker (their CPU together) against vllm-router's best configuration for each
+    figure, and against coserve's own router: ratios, 95 % bootstrap intervals and the targets."""
+    direct = arms["direct"]
+    ours = arms[GATEWAY].figures(direct)
+    best_cpu = best_of(sweep, "cpu_s_per_request")
+    best_p99 = best_of(sweep, "added_p99_s")
+    key = {
+        "cpu": (best_cpu["policy"], best_cpu["worker_threads"]),
+        "p99": (best_p99["policy"], best_p99["worker_threads"]),
+    }
+    cpu = ratio(ours["cpu_s_per_request"], best_cpu["cpu_s_per_request"])
+    p99 = ratio(ours["added_p99_s"], best_p99["added_p99_s"])
+    router = arms[COSERVE].figures(direct)
+    over_router = ratio(ours["cpu_s_per_request"], router["cpu_s_per_request"])
+    cpu_target = GATEWAY_CPU_RATIO[streaming]
+    out: dict[str, Any] = {
+        "figures": ours,
+        "cpu_per_request_ratio": cpu,
+        "cpu_per_request_ratio_ci95": intervals(arms[GATEWAY], arms[key["cpu"]], direct).get(
+            "cpu_per_request_ratio_ci95"
+        ),
+        "cpu_target": cpu_target,
+        "cpu_met": cpu is not None and cpu <= cpu_target,
+        "added_p99_ratio": p99,
+        "added_p99_ratio_ci95": intervals(arms[GATEWAY], arms[key["p99"]], direct)["added_p99_ratio_ci95"],
+        "added_p99_target": GATEWAY_P99_RATIO,
+        "added_p99_met": p99 is not None and p99 <= GATEWAY_P99_RATIO,
+        "cpu_over_coserve_router": over_router,
+        "cpu_over_coserve_router_ci95": intervals(arms[GATEWAY], arms[COSERVE], direct).get(
+            "cpu_per_request_ratio_ci95"
+        ),
+        "best": {"cpu": list(key["cpu"]), "added_p99": list(key["p99"])},
+    }
+    if streaming:
+        out["cpu_over_coserve_router_target"] = GATEWAY_OVER_ROUTER_STREAMING
+        out["cpu_over_coserve_router_met"] = over_router is not None and over_router <= GATEWAY_OVER_ROUTER_STREAMING
+    out["met"] = out["cpu_met"] and out["added_p99_met"] and out.get("cpu_over_coserve_router_met", True)
+    return out
 
 
 def report(
@@ -584,8 +667,11 @@ def report(
     table = Table("", [("p50 ms", 9), ("p99 ms", 9), ("+p50 ms", 9), ("+p99 ms", 9), ("req/s", 8),
                        ("CPU ms/req", 12)], label_width=34, fmt="{:.3f}")  # fmt: skip
     table.row(f"direct (x{args.repetitions})", d50 * 1000, d99 * 1000, "", "", show(direct.requests_per_s, "{:.0f}"))
-    for name, row in [(f"coserve ({args.replicas} proc)", ours)] + [(label((r["policy"], r["worker_threads"])), r)
-                                                                      for r in sweep]:  # fmt: skip
+    streaming = args.stream_tokens > 0
+    gate = gateway_comparison(arms, sweep, streaming) if GATEWAY in arms and sweep else None
+    gated = [(label(GATEWAY), gate["figures"])] if gate else []
+    for name, row in [(f"coserve ({args.replicas} proc)", ours), *gated] + [
+            (label((r["policy"], r["worker_threads"])), r) for r in sweep]:  # fmt: skip
         latencies = [row[k] * 1000 for k in ("p50_s", "p99_s", "added_p50_s", "added_p99_s")]
         table.row(name, *latencies, show(row["requests_per_s"], "{:.0f}"), row["cpu_s_per_request"] * 1000)
     repetitions = [{label(key): arm.figures(run["direct"]) for key, arm in run.items() if key != "direct"}
@@ -604,15 +690,28 @@ def report(
         print("where coserve's router CPU goes (py-spy, innermost Python frame):")
         for place, share in profile.items():
             print(f"  {share:6.1%}  {place}")
+    if gate is not None:
+        print(f"Envoy + endpoint picker vs vllm-router's best: CPU per request {show(gate['cpu_per_request_ratio'])}x "
+              f"(target <= {gate['cpu_target']}x), added p99 {show(gate['added_p99_ratio'])}x (target <= "
+              f"{GATEWAY_P99_RATIO}x); vs coserve's router: CPU per request {show(gate['cpu_over_coserve_router'])}x; "
+              f"{'met' if gate['met'] else 'NOT met'}")  # fmt: skip
     met = latency_met and throughput_met and (peer is None or (peer["added_p99_met"] and peer["cpu_met"]))
+    met = met and (gate is None or gate["met"])
+    if streaming:  # the router's own targets are set for non-streaming requests: a streaming run judges the gateway's
+        met = gate is not None and gate["met"]
+    name = "router_overhead_stream" if streaming else "router_overhead"
     write_result(
-        "router_overhead",
+        name,
         {
-            "benchmark": "router_overhead",
+            "benchmark": name,
             "target": (
                 "<= 1 ms added latency at p99 at 500 requests/s; >= 2,000 requests/s non-streaming; against "
                 f"vllm-router's best configuration, matched (the same number of processes on the same core): "
-                f"added p99 <= {PEER_P99_RATIO}x, CPU per request <= {PEER_CPU_RATIO}x"
+                f"added p99 <= {PEER_P99_RATIO}x, CPU per request <= {PEER_CPU_RATIO}x; Envoy + coserve's endpoint "
+                f"picker (their CPU together) against vllm-router's best: CPU per request <= "
+                f"{GATEWAY_CPU_RATIO[False]}x non-streaming and <= {GATEWAY_CPU_RATIO[True]}x streaming 256 tokens, "
+                f"added p99 <= {GATEWAY_P99_RATIO}x; streaming, <= {GATEWAY_OVER_ROUTER_STREAMING}x coserve's "
+                "router's CPU per request"
             ),
             "met": bool(met),
             "latency_met": bool(latency_met),
@@ -623,6 +722,8 @@ def report(
             "added_p99_s": ours["added_p99_s"],
             "router": ours,
             "vs_vllm_router": peer,
+            "gateway": gate,
+            "stream_tokens": args.stream_tokens,
             "cpu_profile": profile,
             "repetitions": repetitions,
             "baseline": {

@@ -106,7 +106,7 @@ def test_control_plane_installs_the_extras_pinned_by_constraints() -> None:
     assert any("constraints.txt" in args.split() for args in args_of(builder, "COPY"))
     (install,) = pip_installs(builder)
     assert has_option(install, "-c", "constraints.txt")
-    assert any(word.endswith('[operator,router]"') for word in install)
+    assert any(word.endswith('[operator,router,epp]"') for word in install)
     assert "--from=builder /opt/venv /opt/venv" in args_of(final, "COPY")
 
 
