@@ -10,7 +10,11 @@ handoff, and two routers in front of the same engines:
   emptiest decoder, which computes whatever of the prompt it does not hold (what
   a per-request load balancer in front of vLLM does).
 
-and vLLM's own router (``vllm-router``, the bench extra pins it) in front of the
+Then, matched (each its own fresh processes): conversation placement through ``coserve router`` in a
+process of its own, and through a real Envoy whose endpoint picker is coserve's (``coserve epp``: the
+same placement, Envoy carrying the bytes); the gateway's p95 TTFET should be within 5 % of the router's.
+
+And vLLM's own router (``vllm-router``, the bench extra pins it) in front of the
 same engines, as the router a vLLM user would pick instead, its policies swept:
 ``round_robin``, ``consistent_hash`` (keyed by the conversation: every request
 carries ``x-session-id``, the first header it hashes; coserve ignores it and
@@ -47,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata
+import json
 import random
 import sys
 import tempfile
@@ -56,14 +62,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 from harness.client import first_token_at, metric_total
 from harness.engines import bench_model, measured_cost_model
+from harness.gateway import gateway
 from harness.peers import POLICIES, free_port, vllm_router, vllm_router_command, vllm_router_pd_command
-from harness.pool import PoolShape, pd_pool, router_in_thread
+from harness.pool import PoolShape, pd_pool, router_in_thread, router_process
 from harness.results import Table, ratio, show, write_result
 from harness.stats import percentile, reportable_percentile, say
 from harness.sweep import best_of
 
+GATEWAY = "gateway (Envoy + coserve endpoint picker)"
+ROUTER_PROCESS = "conversation (coserve router process)"
+GATEWAY_WITHIN = 0.05  # the gateway's p95 TTFET within this fraction of the router process's
 PEER_PD_POLICY = "cache_aware"  # its default policy, choosing the decoder in its P/D mode
 PEER_TARGET = 1.3  # coserve's p95 TTFET at least this many times lower than vllm-router's best policy's
 SESSION_HEADER = "x-session-id"  # what vllm-router's consistent_hash reads first; coserve ignores it
@@ -150,6 +161,8 @@ def main() -> int:
     parser.add_argument("--no-peer-pd", action="store_true", help="leave out vllm-router's P/D mode arm")
     parser.add_argument("--arms", nargs="*", default=["request", "turn", "conversation"],
                         help="coserve's placements measured (default: all three)")  # fmt: skip
+    parser.add_argument("--no-gateway", action="store_true",
+                        help="leave out Envoy + coserve's picker and the router process matched with it")  # fmt: skip
     args = parser.parse_args()
     model = bench_model(args.layers, args.hidden_size)
     config = {"priorityClasses": CLASSES, "costModel": measured_cost_model(model)}
@@ -170,6 +183,8 @@ def main() -> int:
             results[placement] = arm_result(ttfet, recomputed)
             say(f"{placement}: TTFET p50 {percentile(ttfet, 50):.2f} s over {len(ttfet)}, decoders computed "
                 f"{recomputed:.0f} prompt tokens")  # fmt: skip
+        if not args.no_gateway:
+            results |= gateway_arms(pool, workdir, args)
         peer_arms = [(f"vllm-router {policy}", policy, False) for policy in args.peer_policies]
         if not args.no_peer_pd:
             peer_arms.append((f"vllm-router P/D {PEER_PD_POLICY}", PEER_PD_POLICY, True))
@@ -216,6 +231,10 @@ def main() -> int:
     )
     print(f"p95 TTFET vllm-router's best ({best}) / conversation: {show(peer_ratio, '{:.2f}')}; target "
           f"(>= {PEER_TARGET}) {'met' if peer_met else 'NOT met'}")  # fmt: skip
+    gate = gateway_verdict(results)
+    if gate is not None:
+        print(f"p95 TTFET gateway / router process: {show(gate['ratio'], '{:.3f}')}; target (within "
+              f"{GATEWAY_WITHIN:.0%}) {'met' if gate['met'] else 'NOT met'}")  # fmt: skip
     write_result(
         "ttfet",
         {
@@ -225,7 +244,8 @@ def main() -> int:
                 f"per-turn and per-request placement, and at least {PEER_TARGET}x lower than vllm-router's best "
                 "policy's; decoder prefill recomputation reported"
             ),
-            "met": bool(both_met and peer_met),
+            "met": bool(both_met and peer_met and (gate is None or gate["met"])),
+            "gateway": gate,
             "lower_than_both_met": bool(both_met),
             "vs_vllm_router_met": bool(peer_met),
             "ttfet_p95_ratio_per_turn_over_conversation": turn_ratio,
@@ -258,6 +278,52 @@ def main() -> int:
         },
     )
     return 0
+
+
+def gateway_verdict(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The gateway's p95 TTFET over the router process's, and whether it is within ``GATEWAY_WITHIN``."""
+    if GATEWAY not in results or ROUTER_PROCESS not in results:
+        return None
+    value = ratio(results[GATEWAY]["ttfet_p95_s"], results[ROUTER_PROCESS]["ttfet_p95_s"])
+    return {"ratio": value, "target": f"within {GATEWAY_WITHIN:.0%}",
+            "met": value is not None and abs(value - 1) <= GATEWAY_WITHIN}  # fmt: skip
+
+
+def gateway_arms(pool: Any, workdir: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Conversation placement through a real Envoy whose endpoint picker is coserve's, and, matched with it,
+    through ``coserve router`` in a process of its own (each a fresh process; the picker and Envoy two)."""
+    config = pool.router_config(CLASSES, placement="conversation")
+    path = workdir / "gateway" / "router.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config))
+    out = {}
+    for name in (ROUTER_PROCESS, GATEWAY):
+        pool.clear()
+        with contextlib.ExitStack() as stack:
+            if name == GATEWAY:
+                url, ready, _ = stack.enter_context(gateway(path, path.parent))
+                for probe in ready:
+                    wait_until_ok(probe)
+            else:
+                url = stack.enter_context(router_process(config, workdir / "router-process"))
+            before = computed_tokens(pool.decoders)
+            say(f"{name}: {args.conversations} conversations of {args.turns} turns")
+            ttfet = asyncio.run(run_arm(url, args))
+            out[name] = arm_result(ttfet, computed_tokens(pool.decoders) - before)
+        say(f"{name}: TTFET p50 {percentile(ttfet, 50):.2f} s, p95 {percentile(ttfet, 95):.2f} s")
+    return out
+
+
+def wait_until_ok(url: str, startup_s: float = 60.0) -> None:
+    deadline = time.monotonic() + startup_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer 200 within {startup_s:g} s")
 
 
 def ratios(ours: dict[str, Any], base: dict[str, Any]) -> tuple[float | None, float]:

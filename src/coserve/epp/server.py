@@ -13,8 +13,10 @@ configuration ``coserve.epp.envoy`` writes have it:
 1. request headers: continue (the body comes next), or, for a request without a body, pick the
    least-occupied decoder now;
 2. request body (buffered whole): on ``/v1/chat/completions`` and ``/v1/completions``, admit and place it as
-   the router does. The answer sets ``x-gateway-destination-endpoint`` (and the same in the ``envoy.lb``
-   dynamic metadata), the engine headers the router would send (its token; the conversation), and the body
+   the router does, among the endpoints the gateway allows when it names a subset (a pin outside it is
+   placed anew; none eligible is a 503, as the protocol says). The answer sets
+   ``x-gateway-destination-endpoint`` (and the same in the ``envoy.lb`` dynamic metadata), the engine
+   headers the router would send (its token; the conversation), and the body
    as the engine gets it: engine-internal fields stripped, the class in ``vllm_xargs``, and on a turn 1
    prefilled on a prefiller the prefiller's ``kv_transfer_params``, so the decoder pulls the KV once. A
    refusal is an immediate response with the router's OpenAI error body (400, 404, 413; 503 with no
@@ -44,7 +46,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from starlette.responses import Response
 
-from coserve.epp.protocol import DESTINATION_HEADER, LB_NAMESPACE
+from coserve.epp.protocol import DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 from coserve.router import fastjson
 from coserve.router.admission import Admitted, admit, error_response
 from coserve.router.app import Router
@@ -121,9 +123,19 @@ class _Exchange:
         self.conversation: str | None = None
         self.ledger: str | None = None
         self.answered = False
+        self.subset: set[str] | None = None  # the endpoints the gateway allows, when it narrows them
+
+    def _excluded(self) -> frozenset[str]:
+        """The decoders outside the gateway's subset (``ip:port``), as URLs; none when it sent no subset."""
+        if self.subset is None:
+            return frozenset()
+        return frozenset(url for url, d in self.router.engines.decoders.items() if _address(d) not in self.subset)
 
     async def answer(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
         kind = message.WhichOneof("request")
+        hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+        if hint is not None and SUBSET_KEY in hint.fields:
+            self.subset = {str(endpoint) for endpoint in hint[SUBSET_KEY]}
         if kind == "request_headers":
             self.headers = _headers(message.request_headers)
             self.endpoint = HOT_PATHS.get(self.headers.get(":path", "").split("?", 1)[0])
@@ -153,21 +165,22 @@ class _Exchange:
         if not isinstance(admitted, Admitted):
             return self._refused(admitted)
         placement = router.placement
+        excluded = self._excluded()
         if router.config.placement == "request":
-            placed = placement.least_occupied(admitted.body)
+            placed = placement.least_occupied(admitted.body, excluded)
         else:
             conversation, pin = await placement.known_pin(
                 endpoint, admitted.body, admitted.conversation, admitted.named
             )
             placed = await placement.place_on(endpoint_path(endpoint), admitted.body, conversation, pin,
-                                              admitted.cls.ttft_slo_s)  # fmt: skip
+                                              admitted.cls.ttft_slo_s, excluded)  # fmt: skip
             self.conversation = conversation
         if not isinstance(placed, Placed):
             return self._refused(placed)
         return self._forward(placed, "request_body")
 
     def _pick_any(self, kind: str) -> ext_proc.ProcessingResponse:
-        placed = self.router.placement.least_occupied({})
+        placed = self.router.placement.least_occupied({}, self._excluded())
         if not isinstance(placed, Placed):
             return self._refused(placed)
         return self._forward(placed, kind, body=False)

@@ -164,10 +164,13 @@ class Placement:
         decoder.admitted_tokens += estimate_tokens(body)
         return Placed(decoder, body, computes, pin)
 
-    def least_occupied(self, body: Mapping[str, Any]) -> Placed | Response:
+    def least_occupied(
+        self, body: Mapping[str, Any], excluded: set[str] | frozenset[str] = frozenset()
+    ) -> Placed | Response:
         """``placement: request`` for one request whose proxy forwards it (``coserve.epp``): the least-occupied
-        decoder computes what it lacks; nothing is pinned."""
-        decoder = choose_decoder(list(self.engines.decoders.values()), self.config.decoder_full)
+        decoder (not in ``excluded``) computes what it lacks; nothing is pinned."""
+        candidates = [d for d in self.engines.decoders.values() if d.url not in excluded]
+        decoder = choose_decoder(candidates, self.config.decoder_full)
         if decoder is None:
             return error_response(503, "no decoder can take the request now (all full or down); retry shortly")
         tokens = estimate_tokens(body)
