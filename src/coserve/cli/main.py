@@ -184,13 +184,18 @@ def _add_router_command(commands: Any) -> None:
         "that decoder) and capping each request's class at its tenant's. The config is the router.json the "
         "operator renders (see coserve.router.config).",
     )
-    router.add_argument("--config", required=True, metavar="FILE", help="router.json")
-    router.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")  # noqa: S104
-    router.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
-    router.add_argument(
+    _add_serving_arguments(router, 8080, "port")
+    router.set_defaults(handler=_cmd_router)
+
+
+def _add_serving_arguments(parser: Any, port: int, what: str) -> None:
+    """What ``coserve router`` and ``coserve epp`` both take: the router.json, where to listen, the log level."""
+    parser.add_argument("--config", required=True, metavar="FILE", help="router.json")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")  # noqa: S104
+    parser.add_argument("--port", type=int, default=port, help=f"{what} (default: {port})")
+    parser.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), default="info", help="log level (default: info)"
     )
-    router.set_defaults(handler=_cmd_router)
 
 
 def _add_epp_command(commands: Any) -> None:
@@ -203,17 +208,12 @@ def _add_epp_command(commands: Any) -> None:
         "picked engine itself. The config is the router.json the operator renders. With --envoy-config, write "
         "an Envoy bootstrap that uses this picker and exit.",
     )
-    epp.add_argument("--config", required=True, metavar="FILE", help="router.json")
-    epp.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")  # noqa: S104
-    epp.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port (default: 9002)")
+    _add_serving_arguments(epp, 9002, "ext_proc gRPC port")
     epp.add_argument("--metrics-port", type=int, default=9090, help="/metrics port; 0: none (default: 9090)")
     epp.add_argument(
         "--envoy-config", metavar="FILE", help="write an Envoy bootstrap (JSON) for a gateway on --gateway-port"
     )
     epp.add_argument("--gateway-port", type=int, default=8080, help="the Envoy listener's port (default: 8080)")
-    epp.add_argument(
-        "--log-level", choices=("debug", "info", "warning", "error"), default="info", help="log level (default: info)"
-    )
     epp.set_defaults(handler=_cmd_epp)
 
 
