@@ -33,6 +33,7 @@ MEASURED: dict[str, tuple[str, ...]] = {
     "checkpoint_overhead": (*ENGINE, "benchmarks/kv_offload.py"),
     "kv_pool": ("benchmarks/kv_pool.py",),
     "ttfet": (*ENGINE, "benchmarks/ttfet.py"),
+    "ttfet_gateway": (*ENGINE, "benchmarks/ttfet.py", "src/coserve/epp/server.py"),
     "harvest_pool": (*ENGINE, "benchmarks/harvest_pool.py"),
     # the script starts ``coserve router`` processes: the router app (and what it imports) is a root, not an import
     "router_overhead": ("benchmarks/router_overhead.py", "src/coserve/router/app.py", "src/coserve/epp/server.py"),

@@ -93,16 +93,18 @@ def computed_tokens(decoders: list[str]) -> float:
 
 
 async def conversation(
-    session: aiohttp.ClientSession, base: str, args: argparse.Namespace, seed: int, start_at: float
+    session: aiohttp.ClientSession, base: str, args: argparse.Namespace, seed: int, start_at: float, arm: str
 ) -> float:
     """One agentic conversation; its TTFET. Each later turn appends 16 tokens standing in for the previous
-    answer and ``appended`` for the tool's result (the same tokens in both arms). Each turn streams 16 tokens
-    with the conversation's ``x-session-id``."""
+    answer and ``appended`` for the tool's result (the same tokens in every arm). Each turn streams 16 tokens
+    with the conversation's ``x-session-id`` (vllm-router's key) and an ``x-conversation-id`` of this arm's
+    own (coserve's: the decoders remember which conversations they served, and a later arm with the same
+    prompts would otherwise find the earlier arm's conversations there and skip their turn-1 prefill)."""
     rng = random.Random(seed)
     await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     arrived = time.perf_counter()
     prompt = [rng.randrange(16, 1000) for _ in range(args.first)]
-    headers = {SESSION_HEADER: f"conversation-{seed}"}
+    headers = {SESSION_HEADER: f"conversation-{seed}", "x-conversation-id": f"{arm}/conversation-{seed}"}
     first = 0.0
     for index in range(args.turns):
         if index:
@@ -113,7 +115,7 @@ async def conversation(
     return first - arrived
 
 
-async def run_arm(base: str, args: argparse.Namespace) -> list[float]:
+async def run_arm(base: str, args: argparse.Namespace, arm: str) -> list[float]:
     rng = random.Random(7)
     start = time.perf_counter() + 0.5
     starts, at = [], 0.0
@@ -123,7 +125,7 @@ async def run_arm(base: str, args: argparse.Namespace) -> list[float]:
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         return list(
-            await asyncio.gather(*(conversation(session, base, args, 100 + i, s) for i, s in enumerate(starts)))
+            await asyncio.gather(*(conversation(session, base, args, 100 + i, s, arm) for i, s in enumerate(starts)))
         )
 
 
@@ -178,7 +180,7 @@ def main() -> int:
             with router_in_thread(router_config) as url:
                 before = computed_tokens(pool.decoders)
                 say(f"{placement} placement: {args.conversations} conversations of {args.turns} turns")
-                ttfet = asyncio.run(run_arm(url, args))
+                ttfet = asyncio.run(run_arm(url, args, placement))
                 recomputed = computed_tokens(pool.decoders) - before
             results[placement] = arm_result(ttfet, recomputed)
             say(f"{placement}: TTFET p50 {percentile(ttfet, 50):.2f} s over {len(ttfet)}, decoders computed "
@@ -200,7 +202,7 @@ def main() -> int:
                 with vllm_router(command, port) as url:
                     before = computed_tokens(pool.decoders)
                     say(f"{name}: {args.conversations} conversations of {args.turns} turns")
-                    ttfet = asyncio.run(run_arm(url, args))
+                    ttfet = asyncio.run(run_arm(url, args, name))
                     recomputed = computed_tokens(pool.decoders) - before
             except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as error:  # an arm that fails is reported
                 say(f"{name} failed: {error}")
@@ -216,6 +218,9 @@ def main() -> int:
         computed = show(arm["decoder_computed_prompt_tokens"], "{:.0f}")
         table.row(name, arm["ttfet_p50_s"], arm["ttfet_p95_s"], computed, "  " + arm.get("error", ""))
     if not {"request", "turn", "conversation"} <= set(results):
+        if gateway_verdict(results) is not None:  # the gateway arms alone: ttfet_gateway.json
+            write_gateway(results, args)
+            return 0
         say("not every coserve arm ran: nothing written")
         return 0
     ours = results["conversation"]
@@ -289,6 +294,30 @@ def gateway_verdict(results: dict[str, dict[str, Any]]) -> dict[str, Any] | None
             "met": value is not None and abs(value - 1) <= GATEWAY_WITHIN}  # fmt: skip
 
 
+def write_gateway(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """``--arms`` left empty: the gateway and the router process it is matched with, on their own."""
+    verdict = gateway_verdict(results)
+    assert verdict is not None  # the caller checked
+    print(f"p95 TTFET gateway / router process: {show(verdict['ratio'], '{:.3f}')}; target (within "
+          f"{GATEWAY_WITHIN:.0%}) {'met' if verdict['met'] else 'NOT met'}")  # fmt: skip
+    write_result(
+        "ttfet_gateway",
+        {
+            "benchmark": "ttfet_gateway",
+            "target": f"p95 TTFET through Envoy + coserve's endpoint picker within {GATEWAY_WITHIN:.0%} of coserve's "
+            "router (a process of its own) on the same engines, conversation placement",
+            "met": bool(verdict["met"]),
+            "ttfet_p95_ratio_gateway_over_router": verdict["ratio"],
+            "gateway": results[GATEWAY],
+            "baseline": {"name": ROUTER_PROCESS, **results[ROUTER_PROCESS]},
+            "setup": {
+                key: getattr(args, key)
+                for key in ("conversations", "rate", "turns", "first", "appended", "gap", "layers", "hidden_size")
+            },
+        },
+    )
+
+
 def gateway_arms(pool: Any, workdir: Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Conversation placement through a real Envoy whose endpoint picker is coserve's, and, matched with it,
     through ``coserve router`` in a process of its own (each a fresh process; the picker and Envoy two)."""
@@ -308,7 +337,7 @@ def gateway_arms(pool: Any, workdir: Path, args: argparse.Namespace) -> dict[str
                 url = stack.enter_context(router_process(config, workdir / "router-process"))
             before = computed_tokens(pool.decoders)
             say(f"{name}: {args.conversations} conversations of {args.turns} turns")
-            ttfet = asyncio.run(run_arm(url, args))
+            ttfet = asyncio.run(run_arm(url, args, name))
             out[name] = arm_result(ttfet, computed_tokens(pool.decoders) - before)
         say(f"{name}: TTFET p50 {percentile(ttfet, 50):.2f} s, p95 {percentile(ttfet, 95):.2f} s")
     return out
