@@ -74,7 +74,7 @@ def test_a_code_change_in_the_scheduler_stales_exactly_the_results_that_run_it(
     # the results whose engines run coserve's scheduler ...
     engine_results = {
         "preemption_latency", "safepoint_overhead", "priority_scheduling", "coserving", "cost_model",
-        "kv_reload", "checkpoint_overhead", "ttfet", "harvest_pool", "simulator_fidelity",
+        "kv_reload", "checkpoint_overhead", "ttfet", "ttfet_gateway", "harvest_pool", "simulator_fidelity",
         "preemption_latency_cuda", "safepoint_overhead_cuda", "kv_reload_cuda",
     }  # fmt: skip
     assert set(stale) == engine_results

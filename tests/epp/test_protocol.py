@@ -8,10 +8,12 @@ grpc.aio, the router's state); the engines are test doubles (``scripted_engine.S
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
@@ -20,7 +22,7 @@ from google.protobuf import struct_pb2
 
 from coserve.epp.protocol import DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 from coserve.router.config import parse_router_config
-from epp_gateway import Picker
+from epp_gateway import Gateway, Picker
 from router_served import MODEL
 from scripted_engine import ScriptedEngine
 
@@ -94,3 +96,29 @@ def test_a_subset_with_no_eligible_endpoint_is_a_503(pool: dict[str, Any]) -> No
     refused = answers[-1].immediate_response
     assert refused.status.code == 503
     assert json.loads(refused.body)["error"]["code"] == 503
+
+
+def test_a_conversation_placed_by_one_picker_is_found_by_another() -> None:
+    """Pins are shared across picker replicas as across router replicas: the decoders record the conversations
+    sent to them (the engines' real coserve middleware here), and a replica without the pin asks them. Each
+    replica has its own real Envoy in front of it, which forwards the request to the decoder."""
+    first, second = ScriptedEngine("d0", kv_usage=0.6, conversations=True), ScriptedEngine("d1", conversations=True)
+    config = parse_router_config({"model": MODEL, "decoders": [first.url, second.url], "pollS": 0.1})
+    pickers = [Picker(config), Picker(config)]
+    gateways = [Gateway(picker.port) for picker in pickers]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    headers = {"x-conversation-id": "shared"}
+    try:
+        turn1 = httpx.post(f"{gateways[0].url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert turn1.json()["choices"][0]["text"] == "d1"  # the emptier decoder
+        second.kv_usage, first.kv_usage = 0.8, 0.1  # now the other is emptier: a new placement would move
+        time.sleep(0.5)  # the second replica's polls see the new occupancy (the found count below is the check)
+        turn2 = httpx.post(f"{gateways[1].url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert turn2.json()["choices"][0]["text"] == "d1"  # the second replica found where it lives
+        found = pickers[1].router.metrics.registry.get_sample_value("coserve_router_found_conversations_total")
+        assert found == 1
+    finally:
+        for front in (*gateways, *pickers):
+            front.stop()
+        first.stop()
+        second.stop()
