@@ -452,6 +452,8 @@ STEADY = {
     "prefillerQueue": 0.0,
     "decoderKvUsage": 0.3,
     "decoderWaiting": 0.0,
+    "prefillerRequests": 0.0,
+    "decoderRequests": 8.0,
 }
 
 

@@ -96,3 +96,8 @@ def torch_check() -> Iterator[ModuleType]:
 @pytest.fixture(scope="module")
 def simulator_at_scale() -> Iterator[ModuleType]:
     yield from _script("simulator_at_scale")
+
+
+@pytest.fixture(scope="module")
+def reconcile() -> Iterator[ModuleType]:
+    yield from _script("reconcile")
