@@ -9,19 +9,22 @@ argument), so every rule is tested table-driven and by properties.
 Rules, in order:
 
 1. **Proactive.** The provisioning model is re-run with the measured workload
-   (R times ``rate_headroom``, for the rate's rise while new replicas start;
-   L_in, L_d, W; turns, appended tokens and the decoders' running time per
-   conversation, whose difference from W is the idle time between turns; any
-   not measured falls back to ``spec.workload``): its prefillers and decoders (with the spec's headroom)
-   are the recommendation. When the prefillers are busy (a queue) and process
-   fewer tokens per replica than the profile's T_p, the measured T_p sizes the
-   prefillers instead. No arrivals at all recommends each role's minimum.
-2. **Reactive guard.** Decoders: when the mean KV occupancy has stayed at or
-   above ``kv_usage_high`` for two evaluations in a row, at least
-   ``current + step`` (a quarter of current, at least one). Prefillers: when
-   the mean queue per prefiller is at or above ``queue_high`` and grew since
-   the last evaluation, at least ``current + step``. The guard catches what the
-   model misses (a profile slower than measured, a burst inside the rate window).
+   (R times ``rate_headroom``, or R's forecast where that is higher and changes
+   the count: the rate's rise since the last evaluation carried over its window's
+   lag and ``startup_s``; L_in, L_d, W; turns, appended tokens and the decoders'
+   running time per conversation, whose difference from W is the idle time
+   between turns; any not measured falls back to ``spec.workload``): its
+   prefillers and decoders (with the spec's headroom) are the recommendation. No
+   arrivals at all recommends each role's minimum.
+2. **The backlog's candidates.** The queue-length rule an HPA would run
+   (``rule_count``), the prefiller guard (mean queue at or above ``queue_high``
+   and grown since the last evaluation: ``current + step``, a quarter of current,
+   at least one) and busy prefillers measuring a lower T_p than the profile's.
+   The model judges each (``_backlog_room``): nothing for a backlog the replicas
+   clear before a new one would serve, else at most what clears it within a
+   start-up. The KV guard (mean KV occupancy at or above ``kv_usage_high`` for
+   two evaluations: ``current + step`` decoders) is a capacity signal and adds
+   at once. The guards catch what the model misses.
 3. **Bounds.** Each role within its ``[minReplicas, maxReplicas]``. The pool keeps the shape its spec's
    plan takes (``spec.shape``); an aggregated pool has no prefillers to scale.
 4. **Stability.** Scale up at once, unless only the model asks and the

@@ -122,7 +122,6 @@ class _Exchange:
         self.decoder: EngineLoad | None = None
         self.conversation: str | None = None
         self.ledger: str | None = None
-        self.answered = False
         self.subset: set[str] | None = None  # the endpoints the gateway allows, when it narrows them
 
     def _excluded(self) -> frozenset[str]:
@@ -194,14 +193,13 @@ class _Exchange:
         headers = {DESTINATION_HEADER: destination, **self.router.upstream.engine_headers()}
         if self.conversation is not None:
             headers[CONVERSATION_HEADER] = self.conversation
-        common = ext_proc.CommonResponse(header_mutation=_set(headers))
-        if body:
-            content = fastjson.dumps(placed.body)
+        content = fastjson.dumps(placed.body) if body else None
+        if content is not None:
             headers["content-length"] = str(len(content))
-            common = ext_proc.CommonResponse(
-                header_mutation=_set(headers),
-                body_mutation=ext_proc.BodyMutation(body=content),
-            )
+        common = ext_proc.CommonResponse(
+            header_mutation=_set(headers),
+            body_mutation=None if content is None else ext_proc.BodyMutation(body=content),
+        )
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: destination}})
         answer = (
@@ -213,12 +211,10 @@ class _Exchange:
 
     def _refused(self, response: Response) -> ext_proc.ProcessingResponse:
         self.router.metrics.requests_of(self.endpoint or "other", str(response.status_code)).inc()
-        self.answered = True
         return _immediate(response)
 
     def _answered(self, status: str) -> None:
         """The decoder's answer began (or Envoy answered for it: a 503 when it could not connect)."""
-        self.answered = True
         self.router.metrics.requests_of(self.endpoint or "other", status).inc()
         decoder = self.decoder
         if decoder is None:
