@@ -39,7 +39,7 @@ from coserve.operator.cache import ObjectCache
 from coserve.operator.kube import KubeError
 from coserve.operator.reconcile import ChildKey, Reconciliation, drift, reconcile
 from coserve.operator.reconciler import PoolReconciler
-from coserve.operator.resources import CHILDREN
+from coserve.operator.resources import CHILDREN, GATEWAY_API_KINDS
 from operator_kmock import as_stored, merge_patch
 
 # coserve's version at the commit the recordings were made at: a router on the default image follows it.
@@ -499,7 +499,9 @@ def test_the_recorded_pools_default_scraper_is_refused_and_its_children_left_as_
 
 
 def test_the_recordings_hold_every_child_of_every_kind() -> None:
-    assert set(KINDS) == {kind for kind, _ in CHILDREN}
+    # NOTE: no API server that served the Gateway API's kinds was recorded; gateway mode's other children are of
+    # recorded kinds, and its InferencePool and HTTPRoute are checked against their published CRDs (test_gateway)
+    assert set(KINDS) == {kind for kind, _ in CHILDREN} - set(GATEWAY_API_KINDS)
     created = decide_assistant({})
     assert all(a.verb == "create" for a in created.actions)
     assert {(a.kind, a.name) for a in created.actions} == set(every_kind())  # every child rendered, each recorded

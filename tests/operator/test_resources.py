@@ -72,7 +72,15 @@ EXPECTED_ORDER = [
     ("PodDisruptionBudget", "chat-decoder"),
 ]
 # Every child a pool may have, in apply order: what the operator reads before each reconcile.
-EVERY_CHILD = [EXPECTED_ORDER[0], ("PersistentVolumeClaim", "chat-model-cache"), *EXPECTED_ORDER[1:]]
+# Gateway mode's children (spec.gateway.enabled): the endpoint picker, the proxies' policy, the InferencePool and route.
+GATEWAY_ORDER = [
+    ("Deployment", "chat-picker"),
+    ("Service", "chat-picker"),
+    ("NetworkPolicy", "chat-gateway-proxies"),
+    ("InferencePool", "chat-inference-pool"),
+    ("HTTPRoute", "chat-route"),
+]
+EVERY_CHILD = [EXPECTED_ORDER[0], ("PersistentVolumeClaim", "chat-model-cache"), *EXPECTED_ORDER[1:], *GATEWAY_ORDER]
 
 
 def make_pool(**spec_updates: Any) -> dict[str, Any]:
@@ -138,7 +146,7 @@ def test_children_have_the_documented_kinds_names_and_order() -> None:
 def test_only_the_optional_children_are_ever_left_out() -> None:
     """The operator creates what build_children renders; a child in CHILDREN it leaves out must be optional."""
     bare = make_pool(disruption={"enabled": False}, router={"replicas": 1})
-    full = make_pool(model={"name": "Qwen/Qwen3-8B", "cache": {"size": "100Gi"}})
+    full = make_pool(model={"name": "Qwen/Qwen3-8B", "cache": {"size": "100Gi"}}, gateway={"enabled": True})
 
     rendered_bare = {(c["kind"], c["metadata"]["labels"]["app.kubernetes.io/component"]) for c in render(bare)}
     rendered_full = [(c["kind"], c["metadata"]["labels"]["app.kubernetes.io/component"]) for c in render(full)]

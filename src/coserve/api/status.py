@@ -40,6 +40,7 @@ class ConditionType(StrEnum):
     DEGRADED = "Degraded"
     PLAN_VALID = "PlanValid"
     AUTOSCALING_ACTIVE = "AutoscalingActive"
+    GATEWAY_READY = "GatewayReady"
 
 
 class ConditionStatus(StrEnum):
@@ -52,7 +53,7 @@ class Condition(ApiModel):
     """One aspect of the pool's state, as in metav1.Condition."""
 
     type: ConditionType = Field(
-        description="type of the condition: Ready, Progressing, Degraded, PlanValid or AutoscalingActive."
+        description="type of the condition: Ready, Progressing, Degraded, PlanValid, AutoscalingActive or GatewayReady."
     )
     status: ConditionStatus = Field(description="status is True, False or Unknown.")
     reason: str = Field(
@@ -292,7 +293,7 @@ class StatusModel(ApiModel):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="conditions: Ready, Progressing, Degraded, PlanValid and AutoscalingActive.",
+        description="conditions: Ready, Progressing, Degraded, PlanValid, AutoscalingActive and GatewayReady.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     plan: Plan | None = Field(default=None, description="plan is the provisioning model's current answer.")

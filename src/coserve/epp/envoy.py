@@ -12,7 +12,7 @@ GKE) build the equivalent from an InferencePool; this is that configuration, sma
   ``message_timeout_s`` (turn 1's prefill happens inside its answer), Envoy refuses the request rather than
   sending it to an engine the picker did not choose;
 - the engines' cluster is ``ORIGINAL_DST``: the upstream is the ``ip:port`` the picker put in
-  ``x-gateway-destination-endpoint`` (``coserve.epp.protocol``).
+  ``x-gateway-destination-endpoint`` (``coserve.gaie``).
 
 Pure: returns the configuration as data; the caller writes it (YAML or JSON; Envoy reads either).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coserve.epp.protocol import DESTINATION_HEADER
+from coserve.gaie import DESTINATION_HEADER
 
 __all__ = ["envoy_bootstrap"]
 

@@ -7,7 +7,7 @@ or makes its conversation's pin and, on turn 1, prefills it where its first toke
 is who carries the bytes: Envoy forwards the request to the picked decoder and streams its answer back; the
 picker sees only the request (headers and the buffered body) and the answer's headers.
 
-One request's exchange, as GAIE's endpoint picker protocol (``coserve.epp.protocol``) and the Envoy
+One request's exchange, as GAIE's endpoint picker protocol (``coserve.gaie``) and the Envoy
 configuration ``coserve.epp.envoy`` writes have it:
 
 1. request headers: continue (the body comes next), or, for a request without a body, pick the
@@ -46,7 +46,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from starlette.responses import Response
 
-from coserve.epp.protocol import DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
+from coserve.gaie import DESTINATION_HEADER, HEALTH_SERVICES, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 from coserve.router import fastjson
 from coserve.router.admission import Admitted, admit, error_response
 from coserve.router.app import Router
@@ -62,8 +62,6 @@ logger = logging.getLogger("coserve.epp")
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _FAILED_FORWARD = {502, 503, 504}  # what the router retries elsewhere: the decoder did not answer
-# gRPC health services the gateway may probe (GAIE: liveness, readiness and the ext_proc service itself)
-HEALTH_SERVICES = ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
 
 
 class _Buffered:

@@ -81,7 +81,7 @@ from coserve.operator.kube import KubeClient, KubeError, NotLeading, describe, f
 from coserve.operator.leader import LeaderElector, LeaseSettings
 from coserve.operator.metrics import POOLS, keep_pools
 from coserve.operator.reconciler import PoolReconciler
-from coserve.operator.resources import CHILDREN, MANAGED_BY, MANAGED_BY_LABEL
+from coserve.operator.resources import CHILDREN, GATEWAY_API_KINDS, MANAGED_BY, MANAGED_BY_LABEL
 
 __all__ = [
     "CHILD_RESOURCES",
@@ -108,6 +108,8 @@ CHILD_RESOURCES: dict[str, tuple[str, str]] = {
     "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"),
     "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
     "PersistentVolumeClaim": ("", "persistentvolumeclaims"),
+    "InferencePool": ("inference.networking.k8s.io", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io", "httproutes"),
 }
 CHILD_KINDS = tuple(dict.fromkeys(kind for kind, _ in CHILDREN))  # the kinds a pool has children of, in order
 MANAGED_LABELS = {MANAGED_BY_LABEL: MANAGED_BY}  # the label selector of the children's watches and lists
@@ -383,7 +385,7 @@ async def resync(memo: kopf.Memo) -> None:
     """List every pool and managed child afresh, then reconcile every pool, one at a time."""
     cache: ObjectCache = memo.cache
     try:
-        await refresh(cache, memo.reconciler.kube, memo.options.namespaces)
+        await refresh(cache, memo.reconciler.kube, memo.options.namespaces, memo.reconciler.unserved)
     except KubeError as error:
         logger.warning("resync: could not list pools and children (using the watch's view): %s", error)
     for namespace, name in cache.names(KIND):
@@ -395,14 +397,30 @@ async def resync(memo: kopf.Memo) -> None:
             logger.exception("%s/%s: resync failed", namespace, name)
 
 
-async def refresh(cache: ObjectCache, kube: KubeClient, scope: frozenset[str] | None) -> None:
-    """List every pool and managed child: what a lost watch event hid (a deletion above all) shows up."""
+async def refresh(
+    cache: ObjectCache, kube: KubeClient, scope: frozenset[str] | None, unserved: set[str] | None = None
+) -> None:
+    """List every pool and managed child: what a lost watch event hid (a deletion above all) shows up.
+
+    A gateway-mode kind the API server does not serve (its CRD is not installed: 404) lists as empty and is put
+    in ``unserved``, which the reconciler reads; one that lists again is taken out of it.
+    """
     for kind in (KIND, *CHILD_KINDS):
         since = cache.mark()
         selector = None if kind == KIND else f"{MANAGED_BY_LABEL}={MANAGED_BY}"
         listed: list[dict[str, Any]] = []
-        for namespace in sorted(scope) if scope else [None]:
-            listed += await kube.list(kind, namespace, selector)
+        try:
+            for namespace in sorted(scope) if scope else [None]:
+                listed += await kube.list(kind, namespace, selector)
+        except KubeError as error:
+            if error.status != 404 or kind not in GATEWAY_API_KINDS:
+                raise
+            if unserved is not None and kind not in unserved:
+                logger.info("resync: the API server serves no %s (%s): %s", kind, GATEWAY_API_KINDS[kind][0], error)
+                unserved.add(kind)
+        else:
+            if unserved is not None:
+                unserved.discard(kind)
         ghosts = cache.replace(kind, [b for b in listed if kind == KIND or _managed(b)], since, scope)
         if ghosts:
             logger.info("resync: %d %s(s) gone without a watch event", ghosts, kind)

@@ -85,6 +85,13 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 CoServePoolResource = create_namespaced_resource("coserve.dev", "v1alpha1", "CoServePool", "coservepools")
 
+# Gateway mode's kinds, from the Gateway API (HTTPRoute) and its Inference Extension (InferencePool): served only
+# where their CRDs are installed; elsewhere the API server answers 404 to every call on them.
+InferencePoolResource = create_namespaced_resource(
+    "inference.networking.k8s.io", "v1", "InferencePool", "inferencepools"
+)
+HTTPRouteResource = create_namespaced_resource("gateway.networking.k8s.io", "v1", "HTTPRoute", "httproutes")
+
 # kind -> lightkube resource class; only the kinds the operator manages are known.
 RESOURCES: dict[str, Any] = {
     "ConfigMap": ConfigMap,
@@ -101,6 +108,8 @@ RESOURCES: dict[str, Any] = {
     "PersistentVolumeClaim": PersistentVolumeClaim,
     "Pod": Pod,  # read and annotated only (decoders' deletion cost), never created
     "CoServePool": CoServePoolResource,
+    "InferencePool": InferencePoolResource,
+    "HTTPRoute": HTTPRouteResource,
 }
 
 

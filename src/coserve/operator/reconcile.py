@@ -85,7 +85,15 @@ from coserve.api.status import (
     StatusModel,
 )
 from coserve.operator.normalize import is_blank, same_quantity, stored_quantity
-from coserve.operator.resources import TOKEN_KEY, Manifest, build_children, child_name
+from coserve.operator.resources import (
+    GATEWAY_API_KINDS,
+    GATEWAY_CHILDREN,
+    TOKEN_KEY,
+    Component,
+    Manifest,
+    build_children,
+    child_name,
+)
 from coserve.provisioning import plan_for
 
 __all__ = ["ChildAction", "ChildKey", "PoolEvent", "Reconciliation", "drift", "reconcile"]
@@ -94,8 +102,12 @@ ChildKey = tuple[str, str]  # (kind, name)
 
 _ROLE_DEPLOYMENTS = (("prefillers", "prefiller"), ("decoders", "decoder"), ("routers", "router"))
 
-# Kinds deleted when the pool no longer renders them (and controls them); others are left to the garbage collector.
-_DELETED_WHEN_NOT_RENDERED = frozenset({"PodDisruptionBudget"})
+# Children deleted when the pool no longer renders them (and controls them): the PodDisruptionBudgets and gateway
+# mode's children. Others (a model cache's claim above all) are left to the garbage collector.
+_DELETED_WHEN_NOT_RENDERED: frozenset[tuple[str, Component]] = frozenset(
+    {("PodDisruptionBudget", "router"), ("PodDisruptionBudget", "prefiller"), ("PodDisruptionBudget", "decoder"),
+     *GATEWAY_CHILDREN}
+)  # fmt: skip
 # kind -> spec fields of which an object holds at most one: setting one removes the other
 _ONE_OF: dict[str, tuple[tuple[str, str], ...]] = {"PodDisruptionBudget": (("minAvailable", "maxUnavailable"),)}
 _CLAIM = "PersistentVolumeClaim"
@@ -160,11 +172,14 @@ def reconcile(
     measured_profile: EngineProfile | None = None,
     profile_problem: Problem | None = None,
     operator_image_tag: str | None = None,
+    unserved: frozenset[str] = frozenset(),
 ) -> Reconciliation:
     """Decide one reconcile of the pool ``body`` given its ``observed`` children (``None``: absent).
 
     ``measured_profile`` is the profile ``spec.profile.configMapRef`` points at, read
-    by the adapter; ``profile_problem`` says why it could not be read.
+    by the adapter; ``profile_problem`` says why it could not be read. ``unserved`` are the gateway-mode
+    kinds the API server does not serve (their CRDs are not installed): their children are neither created
+    nor patched, and the GatewayReady condition names what to install.
     """
     previous = _previous_status(body.get("status"))
     generation = _generation(body)
@@ -184,6 +199,8 @@ def reconcile(
     immutable: list[str] = []
     for child in desired:
         kind, name = child["kind"], child["metadata"]["name"]
+        if kind in unserved:
+            continue
         current = observed.get((kind, name))
         if current is None:
             actions.append(ChildAction("create", kind, name, child, "missing"))
@@ -202,9 +219,9 @@ def reconcile(
         if changed:
             body = _patch_body(wanted, current)
             actions.append(ChildAction("patch", kind, name, body, "drifted: " + ", ".join(changed[:5])))
-    actions += _deletions(desired, observed, uid)
+    actions += _deletions(pool.metadata.name, desired, observed, uid)
 
-    status = _status(pool, plan, previous, generation, observed, actions, conflicts, immutable, now)
+    status = _status(pool, plan, previous, generation, observed, actions, conflicts, immutable, now, unserved)
     # One Event per verb, not per child: a new pool gets "Created" once, naming them all.
     events = [
         PoolEvent("Normal", reason, "; ".join(_action_message(a) for a in actions if _verb_reason(a) == reason))
@@ -586,16 +603,20 @@ def _grows(child: Manifest, current: Mapping[str, Any]) -> bool:
 
 
 def _deletions(
-    desired: Sequence[Manifest], observed: Mapping[ChildKey, Mapping[str, Any] | None], uid: str | None
+    pool_name: str,
+    desired: Sequence[Manifest],
+    observed: Mapping[ChildKey, Mapping[str, Any] | None],
+    uid: str | None,
 ) -> list[ChildAction]:
     """Children the pool no longer renders and that go when it stops asking for them (``_DELETED_WHEN_NOT_RENDERED``).
 
     Only what this pool controls, and not already being deleted.
     """
     rendered = {(child["kind"], child["metadata"]["name"]) for child in desired}
+    deletable = {(kind, child_name(pool_name, component)) for kind, component in _DELETED_WHEN_NOT_RENDERED}
     out = []
     for (kind, name), current in observed.items():
-        if current is None or kind not in _DELETED_WHEN_NOT_RENDERED or (kind, name) in rendered or uid is None:
+        if current is None or (kind, name) not in deletable or (kind, name) in rendered or uid is None:
             continue
         metadata = current.get("metadata") or {}
         if not _controlled_by(current, uid) or metadata.get("deletionTimestamp"):
@@ -648,6 +669,7 @@ def _status(
     conflicts: Sequence[str],
     immutable: Sequence[str],
     now: datetime,
+    unserved: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     name = pool.metadata.name
     wanted = {"prefillers": plan.prefillers, "decoders": plan.decoders, "routers": pool.spec.router.replicas}
@@ -686,6 +708,9 @@ def _status(
     else:
         ready = (ConditionStatus.FALSE, "ReplicasNotReady", ", ".join(lagging) or "children are being reconciled")
     conditions = set_condition(conditions, ConditionType.READY, *ready, now, generation)
+    gateway = _gateway_condition(pool, observed, unserved, conditions)
+    if gateway is not None:
+        conditions = set_condition(conditions, ConditionType.GATEWAY_READY, *gateway, now, generation)
     was_autoscaled = previous.autoscaling is not None or any(
         c.type == ConditionType.AUTOSCALING_ACTIVE and c.status == ConditionStatus.TRUE for c in conditions
     )
@@ -708,6 +733,59 @@ def _status(
     if not autoscaled and previous.autoscaling is not None:
         wire["autoscaling"] = None  # a merge patch removes a key only when told to
     return wire
+
+
+def _gateway_condition(
+    pool: CoServePool,
+    observed: Mapping[ChildKey, Mapping[str, Any] | None],
+    unserved: frozenset[str],
+    conditions: Sequence[Condition],
+) -> tuple[ConditionStatus, str, str] | None:
+    """GatewayReady: whether a gateway can send the pool requests through its InferencePool; ``None``: leave it
+    out (gateway mode was never on). In order: the API kinds missing, the picker's replicas, the gateways'
+    verdict on the InferencePool (its ``status.parents``)."""
+    gateway = pool.spec.gateway
+    if not gateway.enabled:
+        if find_condition(conditions, ConditionType.GATEWAY_READY) is None:
+            return None
+        return ConditionStatus.FALSE, "Disabled", "spec.gateway.enabled is false: clients reach the pool's router"
+    missing = [kind for kind in GATEWAY_API_KINDS if kind in unserved and (kind != "HTTPRoute" or gateway.http_route)]
+    if missing:
+        installs = {
+            "InferencePool": "the Gateway API Inference Extension's CRDs",
+            "HTTPRoute": "the Gateway API's CRDs (or set spec.gateway.httpRoute false)",
+        }
+        message = "; ".join(
+            f"the API server serves no {kind} ({GATEWAY_API_KINDS[kind][0]}): install {installs[kind]}"
+            for kind in missing
+        )
+        return ConditionStatus.FALSE, "GatewayAPIMissing", message
+    picker = child_name(pool.metadata.name, "picker")
+    ready = _ready(observed, picker)
+    if ready < 1:
+        message = f"endpoint picker {picker}: {ready}/{gateway.picker_replicas} ready"
+        return ConditionStatus.FALSE, "PickerNotReady", message
+    inference_pool = child_name(pool.metadata.name, "inference-pool")
+    accepted = _accepting_parents(observed.get(("InferencePool", inference_pool)))
+    if not accepted:
+        return ConditionStatus.FALSE, "NotAccepted", (
+            f"no gateway has accepted InferencePool {inference_pool} yet: a Gateway of a class that supports the "
+            "Inference Extension must route to it (an HTTPRoute backendRef)")  # fmt: skip
+    return ConditionStatus.TRUE, "Accepted", (
+        f"InferencePool {inference_pool} accepted by {', '.join(accepted)}; endpoint picker {picker}: "
+        f"{ready}/{gateway.picker_replicas} ready")  # fmt: skip
+
+
+def _accepting_parents(inference_pool: Mapping[str, Any] | None) -> list[str]:
+    """The parents (gateways) whose status on the InferencePool says Accepted=True, as ``Kind namespace/name``."""
+    out = []
+    for parent in ((inference_pool or {}).get("status") or {}).get("parents") or []:
+        conditions = parent.get("conditions") or []
+        if any(c.get("type") == "Accepted" and c.get("status") == "True" for c in conditions):
+            ref = parent.get("parentRef") or {}
+            where = f"{ref['namespace']}/" if ref.get("namespace") else ""
+            out.append(f"{ref.get('kind', 'Gateway')} {where}{ref.get('name', '')}")
+    return out
 
 
 def _invalid(

@@ -44,7 +44,7 @@ from coserve.operator.events import EventRecorder
 from coserve.operator.kube import KubeClient, KubeError, NotLeading, version_of
 from coserve.operator.metrics import CHILD_CHANGES, RECONCILE_SECONDS, RECONCILES, forget_pool, observe_pool
 from coserve.operator.reconcile import ChildKey, PoolEvent, Reconciliation, reconcile
-from coserve.operator.resources import TOKEN_KEY, child_keys
+from coserve.operator.resources import GATEWAY_API_KINDS, TOKEN_KEY, child_keys
 
 __all__ = ["PoolReconciler"]
 
@@ -85,6 +85,8 @@ class PoolReconciler:
         self.cache = cache if cache is not None else ObjectCache()
         self.image_tag = image_tag
         self.clock = clock
+        # gateway-mode kinds the API server does not serve (no CRD): the resync keeps it, a refused create adds
+        self.unserved: set[str] = set()
         self._flights: dict[tuple[str, str], _Flight] = {}
 
     async def reconcile(self, namespace: str, name: str) -> Reconciliation | None:
@@ -157,6 +159,7 @@ class PoolReconciler:
                 measured_profile=profile,
                 profile_problem=problem,
                 operator_image_tag=self.image_tag,
+                unserved=frozenset(self.unserved),
             )
             if not fresh and any(action.verb == "create" for action in result.actions):
                 fresh = True
@@ -230,6 +233,12 @@ class PoolReconciler:
                     continue
                 if error.status not in (404, 409):
                     raise
+                if action.verb == "create" and error.status == 404 and action.kind in GATEWAY_API_KINDS:
+                    # the API server serves no such kind (its CRD is not installed): decide again without it
+                    logger.warning("%s/%s: %s %s not created: %s", namespace, name, action.kind, action.name, error)
+                    self.unserved.add(action.kind)
+                    current = False
+                    continue
                 # 409 on create: it exists after all; on patch or delete: it changed since it was read;
                 # 404 on patch: it is gone. Learn which, decide again.
                 found = await self.kube.get(action.kind, namespace, action.name)

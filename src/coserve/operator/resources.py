@@ -57,6 +57,7 @@ from coserve.api.spec import (
     TopologySpreadConstraint,
 )
 from coserve.api.status import Plan
+from coserve.gaie import LIVENESS_SERVICE, PICKER_PORT, READINESS_SERVICE
 from coserve.kv.handoff import Handoff, router_sends_transfer_params
 from coserve.scheduling.config import CONFIG_ENV
 
@@ -74,6 +75,8 @@ __all__ = [
     "ENGINE_CONFIG_PATH",
     "ENGINE_PORT",
     "ENGINE_ROLES",
+    "GATEWAY_API_KINDS",
+    "GATEWAY_CHILDREN",
     "INSTANCE_LABEL",
     "MANAGED_BY",
     "MANAGED_BY_LABEL",
@@ -81,11 +84,14 @@ __all__ = [
     "NAME_LABEL",
     "NIXL_SIDE_CHANNEL_PORT",
     "OPTIONAL_CHILDREN",
+    "PICKER_METRICS_PORT",
+    "PICKER_PORT",
     "RESTRICTED_CONTAINER_SECURITY",
     "RESTRICTED_POD_SECURITY",
     "ROLE_LABEL",
     "ROUTER_CONFIG_KEY",
     "ROUTER_CONFIG_PATH",
+    "ROUTER_ONLY_PATHS",
     "ROUTER_PORT",
     "ROUTER_SERVICE_PORT",
     "Component",
@@ -118,7 +124,19 @@ __all__ = [
 
 Manifest = dict[str, Any]  # one Kubernetes object, JSON-ready
 
-Component = Literal["prefiller", "decoder", "router", "config", "router-token", "engines", "model-cache"]
+Component = Literal[
+    "prefiller",
+    "decoder",
+    "router",
+    "config",
+    "router-token",
+    "engines",
+    "model-cache",
+    "picker",
+    "inference-pool",
+    "route",
+    "gateway-proxies",
+]
 EngineRole = Literal["prefiller", "decoder"]
 COMPONENTS: tuple[Component, ...] = get_args(Component)
 ENGINE_ROLES: tuple[EngineRole, ...] = get_args(EngineRole)
@@ -146,6 +164,14 @@ NIXL_SIDE_CHANNEL_PORT = 5600
 NIXL_SIDE_PORT_NAME = "nixl-side"
 NIXL_SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 NIXL_SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+# Gateway mode's endpoint picker (coserve.epp): ext_proc and gRPC health on PICKER_PORT, the router's metrics on
+# PICKER_METRICS_PORT. The router alone serves the batch API (ROUTER_ONLY_PATHS): the example HTTPRoute sends it there.
+PICKER_CONTAINER = "picker"
+PICKER_PORT_NAME = "grpc"
+PICKER_METRICS_PORT = 9090
+METRICS_PORT_NAME = "metrics"
+ROUTER_ONLY_PATHS = ("/v1/files", "/v1/batches")
 
 CONFIG_VOLUME = "config"
 CONFIG_MOUNT_PATH = "/etc/coserve"
@@ -222,12 +248,13 @@ def build_children(pool: CoServePool, plan: Plan, *, operator_image_tag: str | N
     """
     data = config_data(pool, aggregated=plan.aggregated)
     digest = config_hash(data)
+    image = router_image(pool.spec.router, operator_image_tag)
     children = [
         _config_map(pool, data),
         _model_cache_claim(pool),
         _engine_deployment(pool, "prefiller", plan.prefillers, digest),
         _engine_deployment(pool, "decoder", plan.decoders, digest),
-        _router_deployment(pool, digest, router_image(pool.spec.router, operator_image_tag)),
+        _router_deployment(pool, digest, image),
         _router_service(pool),
         _engine_service(pool, "prefiller"),
         _engine_service(pool, "decoder"),
@@ -235,6 +262,7 @@ def build_children(pool: CoServePool, plan: Plan, *, operator_image_tag: str | N
         _engine_network_policy(pool),
         *_router_identity(pool),
         *(_disruption_budget(pool, plan, component) for component in ("router", "prefiller", "decoder")),
+        *(_gateway_children(pool, digest, image) if pool.spec.gateway.enabled else ()),
     ]
     return [_without_none(child) for child in children if child is not None]
 
@@ -260,18 +288,41 @@ CHILDREN: tuple[tuple[str, Component], ...] = (
     ("PodDisruptionBudget", "router"),
     ("PodDisruptionBudget", "prefiller"),
     ("PodDisruptionBudget", "decoder"),
+    ("Deployment", "picker"),
+    ("Service", "picker"),
+    ("NetworkPolicy", "gateway-proxies"),
+    ("InferencePool", "inference-pool"),
+    ("HTTPRoute", "route"),
+)
+GATEWAY_CHILDREN: frozenset[tuple[str, Component]] = frozenset(
+    {
+        ("Deployment", "picker"),
+        ("Service", "picker"),
+        ("NetworkPolicy", "gateway-proxies"),
+        ("InferencePool", "inference-pool"),
+        ("HTTPRoute", "route"),
+    }
 )
 # The children build_children leaves out when the spec does not ask for them: the model cache's claim
-# (only with spec.model.cache.size) and the PodDisruptionBudgets (spec.disruption; the router's also needs
-# two replicas or a budget of its own). Every other child is always rendered.
+# (only with spec.model.cache.size), the PodDisruptionBudgets (spec.disruption; the router's also needs
+# two replicas or a budget of its own) and gateway mode's (spec.gateway.enabled; the HTTPRoute also
+# spec.gateway.httpRoute). Every other child is always rendered.
 OPTIONAL_CHILDREN: frozenset[tuple[str, Component]] = frozenset(
     {
         ("PersistentVolumeClaim", "model-cache"),
         ("PodDisruptionBudget", "router"),
         ("PodDisruptionBudget", "prefiller"),
         ("PodDisruptionBudget", "decoder"),
+        *GATEWAY_CHILDREN,
     }
 )
+# The kinds of gateway mode that only a cluster with the Gateway API (HTTPRoute) and its Inference Extension
+# (InferencePool) serves: kind -> (apiVersion, plural). Where the API server does not serve one, the operator
+# renders the rest and says so (the pool's GatewayReady condition).
+GATEWAY_API_KINDS: dict[str, tuple[str, str]] = {
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
+}
 
 
 def child_keys(pool_name: str) -> list[tuple[str, str]]:
@@ -1034,6 +1085,171 @@ def _router_identity(pool: CoServePool) -> list[Manifest]:
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.metadata.namespace or "default"}],
         },
     ]
+
+
+# --- gateway mode: the endpoint picker, the InferencePool, its route, the gateway's proxies -----------
+
+
+def _gateway_children(pool: CoServePool, digest: str, image: str) -> list[Manifest | None]:
+    """What ``spec.gateway.enabled`` adds: the picker (``coserve epp``) and its Service, the NetworkPolicy that
+    admits the gateway's proxies to the decoders, the InferencePool and (``spec.gateway.httpRoute``) its route."""
+    return [
+        _picker_deployment(pool, digest, image),
+        _picker_service(pool),
+        _gateway_proxies_policy(pool),
+        _inference_pool(pool),
+        _http_route(pool) if pool.spec.gateway.http_route else None,
+    ]
+
+
+def _grpc_probe(service: str, *, period_s: int, failure_threshold: int) -> Manifest:
+    return {
+        "grpc": {"port": PICKER_PORT, "service": service},
+        "periodSeconds": period_s,
+        "failureThreshold": failure_threshold,
+        "timeoutSeconds": 1,
+    }
+
+
+def _picker_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
+    """The endpoint picker: the router's image and pod options, ``coserve epp`` on the router's config and token.
+
+    It never calls the API server (pins live on the decoders), so its pods get no service account token.
+    """
+    options = pod_template_options(pool.spec, "router")
+    container = {
+        "name": PICKER_CONTAINER,
+        "image": image,
+        "command": [
+            *("coserve", "epp", "--config", ROUTER_CONFIG_PATH),
+            *("--port", str(PICKER_PORT), "--metrics-port", str(PICKER_METRICS_PORT)),
+        ],
+        "env": [_token_env(), *options.env],
+        "envFrom": options.env_from or None,
+        "ports": [
+            {"name": PICKER_PORT_NAME, "containerPort": PICKER_PORT, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": PICKER_METRICS_PORT, "protocol": "TCP"},
+        ],
+        # gRPC health (GAIE's protocol): live once it serves, ready once it has read the engines
+        "startupProbe": _grpc_probe(LIVENESS_SERVICE, period_s=2, failure_threshold=30),
+        "livenessProbe": _grpc_probe(LIVENESS_SERVICE, period_s=10, failure_threshold=3),
+        "readinessProbe": _grpc_probe(READINESS_SERVICE, period_s=5, failure_threshold=3),
+        "resources": _resources(pool.spec.gateway.picker_resources),
+        "securityContext": merged_over(
+            {**RESTRICTED_CONTAINER_SECURITY, "readOnlyRootFilesystem": True, "runAsUser": ROUTER_USER_ID},
+            options.security_context,
+        ),
+        "volumeMounts": [
+            _config_mount(),
+            {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (a path in the pod)
+            _token_mount(),
+            *options.volume_mounts,
+        ],
+    }
+    pod_spec = {
+        "automountServiceAccountToken": False,
+        "priorityClassName": options.priority_class_name,
+        "imagePullSecrets": options.image_pull_secrets or None,
+        "securityContext": merged_over(
+            {**RESTRICTED_POD_SECURITY, "runAsUser": ROUTER_USER_ID}, options.pod_security_context
+        ),
+        "containers": [container],
+        "volumes": [_config_volume(pool), {"name": "tmp", "emptyDir": {}}, _token_volume(pool), *options.volumes],
+        "topologySpreadConstraints": _spread(pool.metadata.name, "picker", options.topology_spread_constraints),
+    }
+    annotations = {
+        CONFIG_HASH_ANNOTATION: digest,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(PICKER_METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    return _deployment(pool, "picker", pool.spec.gateway.picker_replicas, annotations, pod_spec, options)
+
+
+def _picker_service(pool: CoServePool) -> Manifest:
+    """What the InferencePool's endpointPickerRef names: ext_proc over HTTP/2 without TLS, and the metrics."""
+    ports = [
+        {"name": PICKER_PORT_NAME, "port": PICKER_PORT, "targetPort": PICKER_PORT, "protocol": "TCP",
+         "appProtocol": "kubernetes.io/h2c"},
+        {"name": METRICS_PORT_NAME, "port": PICKER_METRICS_PORT, "targetPort": PICKER_METRICS_PORT, "protocol": "TCP"},
+    ]  # fmt: skip
+    return _service(pool, "picker", {"type": "ClusterIP", "ports": ports})
+
+
+def _gateway_proxies_policy(pool: CoServePool) -> Manifest:
+    """The decoders admit the gateway's proxies (``spec.gateway.proxies``; none named: any pod) on the engine port.
+
+    NetworkPolicies add up: this one widens ``<pool>-engines`` for the decoders' port only, and goes with gateway
+    mode. Prefillers are never reached by the gateway: the picker (one of the pool's own pods) prefills turn 1."""
+    peers = [
+        {
+            "podSelector": {"matchLabels": dict(peer.pod_labels)},
+            "namespaceSelector": {"matchLabels": dict(peer.namespace_labels)},
+        }
+        for peer in pool.spec.gateway.proxies
+    ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(pool, "gateway-proxies"),
+        "spec": {
+            "podSelector": {"matchLabels": selector_for(pool.metadata.name, "decoder")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": peers or None, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}],
+        },
+    }
+
+
+def _inference_pool(pool: CoServePool) -> Manifest:
+    """The decoders as a GAIE InferencePool, whose endpoint picker is the pool's; the gateway fails closed
+    (``FailClose``): with the picker unreachable, a request is refused rather than sent to any decoder, since
+    a decoder without the conversation's KV recomputes it and a turn 1 would skip its prefiller."""
+    return {
+        "apiVersion": GATEWAY_API_KINDS["InferencePool"][0],
+        "kind": "InferencePool",
+        "metadata": _metadata(pool, "inference-pool"),
+        "spec": {
+            "selector": {"matchLabels": selector_for(pool.metadata.name, "decoder")},
+            "targetPorts": [{"number": ENGINE_PORT}],
+            "endpointPickerRef": {
+                "name": child_name(pool.metadata.name, "picker"),
+                "port": {"number": PICKER_PORT},
+                "failureMode": "FailClose",
+            },
+        },
+    }
+
+
+def _http_route(pool: CoServePool) -> Manifest:
+    """An HTTPRoute on ``spec.gateway.gatewayName``: the batch API to the router (which runs offline batches),
+    every other path to the InferencePool."""
+    gateway = pool.spec.gateway
+    name = pool.metadata.name
+    timeouts = {"request": gateway.request_timeout}
+    parent = {"name": gateway.gateway_name, "namespace": gateway.gateway_namespace}
+    router = {"kind": "Service", "name": child_name(name, "router"), "port": ROUTER_SERVICE_PORT}
+    inference_pool = {"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                      "name": child_name(name, "inference-pool")}  # fmt: skip
+    return {
+        "apiVersion": GATEWAY_API_KINDS["HTTPRoute"][0],
+        "kind": "HTTPRoute",
+        "metadata": _metadata(pool, "route"),
+        "spec": {
+            "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", **parent}],
+            "rules": [
+                {
+                    "matches": [{"path": {"type": "PathPrefix", "value": path}} for path in ROUTER_ONLY_PATHS],
+                    "backendRefs": [router],
+                    "timeouts": timeouts,
+                },
+                {
+                    "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                    "backendRefs": [inference_pool],
+                    "timeouts": timeouts,
+                },
+            ],
+        },
+    }
 
 
 # --- the router token and who may reach the engines ---------------------------------------------

@@ -21,6 +21,7 @@ One module per part of the spec; import from here, which re-exports them all:
 - ``priority_classes``: ``spec.priorityClasses`` and ``spec.offline``
 - ``autoscaling``: ``spec.autoscaling``
 - ``router``: ``spec.router``
+- ``gateway``: ``spec.gateway``, the InferencePool and endpoint picker of gateway mode
 - ``disruption``: ``spec.disruption``, the PodDisruptionBudgets
 - ``pod_options``: pod template options shared by the engines and the router, built from
   ``env``, ``volumes`` and ``placement``
@@ -78,6 +79,10 @@ from coserve.api.spec.env import (
     ObjectRef,
     ResourceFieldSelector,
     SecretKeyRef,
+)
+from coserve.api.spec.gateway import (
+    GATEWAY_DURATION_PATTERN,
+    GatewaySpec,
 )
 from coserve.api.spec.model_source import (
     DEFAULT_MODEL_MOUNT_PATH,
@@ -139,6 +144,7 @@ __all__ = [
     "DNS_LABEL_PATTERN",
     "DNS_SUBDOMAIN_PATTERN",
     "ENV_NAME_PATTERN",
+    "GATEWAY_DURATION_PATTERN",
     "HF_TOKEN_ENV",
     "LABEL_VALUE_PATTERN",
     "MAX_LABEL_KEY_LENGTH",
@@ -164,6 +170,7 @@ __all__ = [
     "EnvFromSource",
     "EnvVar",
     "EnvVarSource",
+    "GatewaySpec",
     "IntOrPercent",
     "KVOffloadBackend",
     "KVOffloadSpec",

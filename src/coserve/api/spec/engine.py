@@ -94,17 +94,18 @@ _MAX_SCRAPER_LABELS = 16
 
 
 class ScraperPeer(ApiModel):
-    """A metrics scraper the engines admit on their port: one NetworkPolicy peer, by namespace and pod labels."""
+    """Pods the engines admit on their port (a metrics scraper, a gateway's proxy): one NetworkPolicy peer, by namespace
+    and pod labels."""
 
     pod_labels: dict[str, LabelValue] = Field(
         min_length=1,
         max_length=_MAX_SCRAPER_LABELS,
-        description="podLabels select the scraper's pods: every one of these labels (at least one).",
+        description="podLabels select the peer's pods: every one of these labels (at least one).",
     )
     namespace_labels: dict[str, LabelValue] = Field(
         min_length=1,
         max_length=_MAX_SCRAPER_LABELS,
-        description="namespaceLabels select the namespaces the scraper's pods run in: every one of these labels "
+        description="namespaceLabels select the namespaces the peer's pods run in: every one of these labels "
         "(at least one; {} would select every namespace). kubernetes.io/metadata.name: <namespace> names one "
         "namespace; the API server sets that label on every namespace to its name.",
     )
@@ -114,7 +115,7 @@ class ScraperPeer(ApiModel):
     def _names_both(cls, data: object) -> object:
         if isinstance(data, dict):
             missing = [
-                ((alias,), f"required field is missing: name the scraper's {what}", data)
+                ((alias,), f"required field is missing: name the peer's {what}", data)
                 for name, alias, what in (
                     ("pod_labels", "podLabels", "pods by their labels"),
                     ("namespace_labels", "namespaceLabels",

@@ -17,6 +17,7 @@ from coserve.api.spec._rules import _cel, _fail, _has
 from coserve.api.spec.autoscaling import AutoscalingSpec
 from coserve.api.spec.disruption import DisruptionSpec
 from coserve.api.spec.engine import EngineSpec, KVOffloadSpec
+from coserve.api.spec.gateway import GatewaySpec
 from coserve.api.spec.model_source import ModelSpec
 from coserve.api.spec.pod_options import EnginePodOptions
 from coserve.api.spec.priority_classes import DEFAULT_PRIORITY_CLASSES, OfflineSpec, PriorityClassSpec
@@ -99,6 +100,11 @@ class SpecModel(ApiModel):
         "same engines within the objectives (status.plan.shapes says both rates and why).",
     )
     router: RouterSpec = Field(default_factory=RouterSpec, description="router configures the router.")
+    gateway: GatewaySpec = Field(
+        default_factory=GatewaySpec,
+        description="gateway puts the pool behind a Gateway API Inference Extension gateway: an InferencePool and "
+        "coserve's endpoint picker, beside the router.",
+    )
     disruption: DisruptionSpec = Field(
         default_factory=DisruptionSpec,
         description="disruption configures the PodDisruptionBudgets that protect each role during voluntary evictions.",

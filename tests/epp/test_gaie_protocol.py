@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from google.protobuf import struct_pb2
 
-from coserve.epp.protocol import DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
+from coserve.gaie import DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 from coserve.router.config import parse_router_config
 from epp_gateway import Gateway, Picker
 from router_served import MODEL

@@ -11,7 +11,11 @@ from __future__ import annotations
 __all__ = [
     "DESTINATION_HEADER",
     "DESTINATION_SERVED_KEY",
+    "HEALTH_SERVICES",
     "LB_NAMESPACE",
+    "LIVENESS_SERVICE",
+    "PICKER_PORT",
+    "READINESS_SERVICE",
     "SUBSET_KEY",
     "SUBSET_NAMESPACE",
 ]
@@ -24,3 +28,11 @@ DESTINATION_SERVED_KEY = "x-gateway-destination-endpoint-served"
 # the endpoints a gateway allows for this request, when it narrows them (filter metadata)
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+
+# where a picker serves ext_proc (GAIE's endpoint pickers listen on 9002; an InferencePool's endpointPickerRef
+# names the port), and the gRPC health services it answers on that port: liveness, readiness and the
+# ext_proc service itself (the protocol's "Health Checking"); the kubelet's gRPC probes name the first two
+PICKER_PORT = 9002
+LIVENESS_SERVICE = "liveness"
+READINESS_SERVICE = "readiness"
+HEALTH_SERVICES = ("", LIVENESS_SERVICE, READINESS_SERVICE, "envoy.service.ext_proc.v3.ExternalProcessor")
