@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the kind cluster `coserve-e2e`, write its kubeconfig to a file of its own and
-# install the CoServePool CRD. Needs Docker, kind and kubectl. Progress goes to stderr; stdout is
-# one `export KUBECONFIG=...` line, so:
+# install the CoServePool CRD and the CRDs gateway mode uses (HTTPRoute, InferencePool). Needs Docker,
+# kind and kubectl. Progress goes to stderr; stdout is one `export KUBECONFIG=...` line, so:
 #
 #   eval "$(e2e/kind-up.sh)" && make e2e
 #   eval "$(e2e/kind-up.sh --with-operator)" && E2E_OPERATOR_IN_CLUSTER=1 make e2e
@@ -55,6 +55,10 @@ kind export kubeconfig --name "${cluster}" --kubeconfig "${kubeconfig}" >&2
 export KUBECONFIG="${kubeconfig}"
 kubectl apply --server-side --field-manager=coserve-e2e --force-conflicts -f "${root}/crds/" >&2
 kubectl wait --for condition=established crd/coservepools.coserve.dev --timeout=60s >&2
+# Gateway mode's kinds, as their projects publish them (e2e/crds/README.md): what a gateway's install provides
+kubectl apply --server-side --field-manager=coserve-e2e --force-conflicts -f "${root}/e2e/crds/" >&2
+kubectl wait --for condition=established crd/inferencepools.inference.networking.k8s.io \
+  crd/httproutes.gateway.networking.k8s.io --timeout=60s >&2
 
 if [[ "${with_operator}" == 1 ]]; then
   export PATH="${root}/.venv/bin:${PATH}"

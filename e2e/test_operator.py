@@ -18,8 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +26,22 @@ import pytest
 import yaml
 
 # NOTE: not `from conftest import ...`: with tests/ on pythonpath that name is tests/conftest.py.
+from e2e_cluster import (
+    EXAMPLE,
+    LEASE,
+    RESYNC_S,
+    Kubectl,
+    Operator,
+    get_json,
+    start_operator,
+    wait_until,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
-Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]  # the `kubectl` fixture's type (e2e/conftest.py)
 
 pytestmark = pytest.mark.e2e
 
-EXAMPLE = ROOT / "examples" / "pool.yaml"
-RESYNC_S = 5
-LEASE_DURATION_S = 6
-LEASE, IDENTITY = "coserve-e2e-operator", "e2e-operator-a"
+IDENTITY = "e2e-operator-a"
 POOL = "e2e-agents"
 CHILDREN = [
     ("configmap", f"{POOL}-config"),
@@ -51,62 +57,6 @@ CHILDREN = [
     ("role", f"{POOL}-router"),
     ("rolebinding", f"{POOL}-router"),
 ]
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(1)
-
-
-def get_json(kubectl: Kubectl, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
-    proc = kubectl("get", kind, name, "-n", namespace, "-o", "json", "--ignore-not-found", check=False)
-    return json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else None
-
-
-OPERATOR_KUBECONFIG_ENV = "COSERVE_E2E_OPERATOR_KUBECONFIG"
-
-
-def operator_env() -> dict[str, str]:
-    """The operator's environment: this one, with ``COSERVE_E2E_OPERATOR_KUBECONFIG`` as its KUBECONFIG when
-    set. Then the operator runs with that kubeconfig's credentials (the chart's ServiceAccount, say, with only
-    the chart's RBAC) while the tests act as the user who creates and edits pools (the default kubeconfig)."""
-    own = os.environ.get(OPERATOR_KUBECONFIG_ENV)
-    if not own:
-        return dict(os.environ)
-    if not Path(own).is_file():
-        pytest.fail(f"{OPERATOR_KUBECONFIG_ENV}={own}: no such file")
-    return {**os.environ, "KUBECONFIG": own}
-
-
-@dataclass(frozen=True)
-class Operator:
-    """A ``coserve operator`` process this suite started, and its log."""
-
-    process: subprocess.Popen[str]
-    log: Path
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        if self.process.returncode not in (0, -15):
-            print(self.log.read_text()[-4000:])
-
-
-def start_operator(namespace: str, identity: str, log: Path) -> Operator:
-    """``coserve operator`` on this machine, one replica of the suite's Lease."""
-    coserve = Path(sys.executable).with_name("coserve")
-    command = [str(coserve), "operator", "-n", namespace, "--resync-s", str(RESYNC_S), "--lease", LEASE,
-               "--lease-namespace", namespace, "--identity", identity,
-               "--lease-duration-s", str(LEASE_DURATION_S)]  # fmt: skip
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=operator_env(), text=True)
-    return Operator(process, log)
 
 
 @pytest.fixture(scope="module")

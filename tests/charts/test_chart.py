@@ -113,10 +113,16 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
     granted = granted_by(rules_of(render(), "ClusterRole"))
     assert not any("*" in item for item in granted)
     assert not any(verb in {"deletecollection", "update", "escalate", "bind", "impersonate"} for _, _, verb in granted)
-    # the one thing deleted: a disruption budget the user turned off
+    # the things deleted: a disruption budget the user turned off, gateway mode's children when it is turned off
     assert {(group, resource) for group, resource, verb in granted if verb == "delete"} == {
-        ("policy", "poddisruptionbudgets")
+        ("policy", "poddisruptionbudgets"),
+        ("apps", "deployments"),
+        ("", "services"),
+        ("networking.k8s.io", "networkpolicies"),
+        ("inference.networking.k8s.io", "inferencepools"),
+        ("gateway.networking.k8s.io", "httproutes"),
     }
+    assert ("", "configmaps", "delete") not in granted
     # pods: annotated with a deletion cost before a scale-down, never created, deleted or watched
     assert {verb for _, resource, verb in granted if resource == "pods"} == {"get", "list", "patch"}
     assert {verb for _, resource, verb in granted if resource == "persistentvolumeclaims"} == {

@@ -16,23 +16,28 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from api.test_crd import apply_crd_defaults, cel_failures
 from charts.test_chart import (
     CHART,
     KUBERNETES_VERSION,
     granted_by,
     render,
 )  # tests/ is on the path (pyproject: pythonpath)
+from coserve.api.spec import GatewaySpec
 from coserve.cli.manifest import load_pool, read_file
 from coserve.operator.handlers import CHILD_RESOURCES
-from coserve.operator.resources import build_children
+from coserve.operator.reconcile import DELETED_WHEN_NOT_RENDERED
+from coserve.operator.resources import GATEWAY_API_KINDS, build_children
 from coserve.provisioning import plan_for
+from crd_schema import apply_crd_defaults, cel_failures
 
 EXAMPLE = CHART.parents[1] / "examples" / "pool-production.yaml"
 
 
-def children() -> list[dict[str, Any]]:
+def children(*, gateway: bool = False) -> list[dict[str, Any]]:
+    """What ``coserve render`` makes of the example; ``gateway``: with ``spec.gateway.enabled`` too."""
     pool = load_pool(read_file(str(EXAMPLE)))
+    if gateway:
+        pool = pool.model_copy(update={"spec": pool.spec.model_copy(update={"gateway": GatewaySpec(enabled=True)})})
     return build_children(pool, plan_for(pool.spec))
 
 
@@ -61,8 +66,9 @@ def test_the_example_renders_every_production_piece_and_all_are_valid_kubernetes
     (engine,) = pod["containers"]
     assert engine["lifecycle"]["preStop"]["exec"]["command"][:3] == ["python3", "-m", "coserve.drain"]
     assert any(e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "hf-token" for e in engine["env"])
-    for child in rendered:
-        kubernetes_validate.validate(child, KUBERNETES_VERSION, strict=True)
+    for child in [*rendered, *children(gateway=True)]:
+        if child["kind"] not in GATEWAY_API_KINDS:  # custom kinds: checked against their CRDs (test_gateway_mode)
+            kubernetes_validate.validate(child, KUBERNETES_VERSION, strict=True)
 
 
 @pytest.mark.parametrize(
@@ -76,8 +82,12 @@ def test_the_charts_rbac_lets_the_operator_create_every_object_of_the_example(se
     granted = granted_by([rule for role in roles for rule in role["rules"]])
     missing = [
         (child["kind"], verb)
-        for child in children()
-        for verb in ("get", "create", "patch")
+        for child in children(gateway=True)
+        for verb in ("get", "list", "watch", "create", "patch")
         if (*CHILD_RESOURCES[child["kind"]], verb) not in granted
+    ]
+    # and delete the children a pool stops asking for (its budgets, gateway mode's)
+    missing += [
+        (kind, "delete") for kind, _ in DELETED_WHEN_NOT_RENDERED if (*CHILD_RESOURCES[kind], "delete") not in granted
     ]
     assert missing == []

@@ -36,11 +36,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["coserve.dev"]
   resources: ["coservepools/status"]
   verbs: ["get", "patch"]
+# delete (deployments, services, networkpolicies): gateway mode's endpoint picker and the policy admitting the
+# gateway's proxies go when a pool turns gateway mode off (only the pool's own, named by uid)
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
-  resources: ["services", "configmaps"]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
   verbs: ["get", "list", "watch", "create", "patch"]
 # each pool's router token (a Secret it creates once) and the NetworkPolicy in front of its engines;
 # RBAC cannot narrow list/watch to the operator's own Secrets, so the operator's watch selects them by label
@@ -49,7 +54,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# gateway mode: each pool's InferencePool (Gateway API Inference Extension) and example HTTPRoute (Gateway API);
+# granted whether or not their CRDs are installed (the operator reports a missing one on the pool)
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # each pool's router identity: a ServiceAccount, and a Role (with its binding) on the Leases that make one
 # replica run each offline batch; RBAC lets the operator grant only what it holds, hence the leases rule
 - apiGroups: [""]

@@ -96,7 +96,7 @@ from coserve.operator.resources import (
 )
 from coserve.provisioning import plan_for
 
-__all__ = ["ChildAction", "ChildKey", "PoolEvent", "Reconciliation", "drift", "reconcile"]
+__all__ = ["DELETED_WHEN_NOT_RENDERED", "ChildAction", "ChildKey", "PoolEvent", "Reconciliation", "drift", "reconcile"]
 
 ChildKey = tuple[str, str]  # (kind, name)
 
@@ -104,7 +104,7 @@ _ROLE_DEPLOYMENTS = (("prefillers", "prefiller"), ("decoders", "decoder"), ("rou
 
 # Children deleted when the pool no longer renders them (and controls them): the PodDisruptionBudgets and gateway
 # mode's children. Others (a model cache's claim above all) are left to the garbage collector.
-_DELETED_WHEN_NOT_RENDERED: frozenset[tuple[str, Component]] = frozenset(
+DELETED_WHEN_NOT_RENDERED: frozenset[tuple[str, Component]] = frozenset(
     {("PodDisruptionBudget", "router"), ("PodDisruptionBudget", "prefiller"), ("PodDisruptionBudget", "decoder"),
      *GATEWAY_CHILDREN}
 )  # fmt: skip
@@ -608,12 +608,12 @@ def _deletions(
     observed: Mapping[ChildKey, Mapping[str, Any] | None],
     uid: str | None,
 ) -> list[ChildAction]:
-    """Children the pool no longer renders and that go when it stops asking for them (``_DELETED_WHEN_NOT_RENDERED``).
+    """Children the pool no longer renders and that go when it stops asking for them (``DELETED_WHEN_NOT_RENDERED``).
 
     Only what this pool controls, and not already being deleted.
     """
     rendered = {(child["kind"], child["metadata"]["name"]) for child in desired}
-    deletable = {(kind, child_name(pool_name, component)) for kind, component in _DELETED_WHEN_NOT_RENDERED}
+    deletable = {(kind, child_name(pool_name, component)) for kind, component in DELETED_WHEN_NOT_RENDERED}
     out = []
     for (kind, name), current in observed.items():
         if current is None or (kind, name) not in deletable or (kind, name) in rendered or uid is None:
