@@ -22,7 +22,7 @@ import grpc
 import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
-from coserve.epp.envoy import envoy_bootstrap
+from coserve.epp.envoy import BodyMode, envoy_bootstrap
 from coserve.epp.server import EndpointPicker
 from coserve.router.app import Router
 from coserve.router.config import RouterConfig
@@ -83,15 +83,29 @@ def envoy_binary() -> str:
     return str(beside) if beside.exists() else shutil.which("envoy") or "envoy"
 
 
+GATEWAY_MODES: tuple[BodyMode, ...] = (
+    "full-duplex",
+    "buffered",
+)  # ext_proc's body modes: as GAIE's gateways, and coserve's cheaper one
+
+
 class Gateway:
     """A real Envoy on 127.0.0.1:``port`` whose ext_proc is the picker at ``picker_port``."""
 
-    def __init__(self, picker_port: int, message_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        picker_port: int,
+        message_timeout_s: float = 30.0,
+        mode: BodyMode = "full-duplex",
+        idle_timeout_s: float = 300,
+    ) -> None:
+        """``mode``: ``full-duplex`` (as GAIE's gateways) or ``buffered``."""
         self.port, self.admin = free_port(), free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="coserve-envoy-"))
         config = envoy_bootstrap(
             listen_host="127.0.0.1", listen_port=self.port, picker_host="127.0.0.1", picker_port=picker_port,
             admin_port=self.admin, message_timeout_s=message_timeout_s,
+            body_mode=mode, idle_timeout_s=idle_timeout_s,
         )  # fmt: skip
         path = self.dir / "envoy.json"
         path.write_text(json.dumps(config))

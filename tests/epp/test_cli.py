@@ -44,6 +44,10 @@ def test_the_command_serves_health_metrics_and_a_gateway_from_its_own_envoy_conf
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert written.returncode == 0, written.stderr
+    listener = json.loads(envoy_config.read_text())["static_resources"]["listeners"][0]
+    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    (ext_proc,) = [f for f in filters if "ext_proc" in f["name"]]
+    assert ext_proc["typed_config"]["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"  # as GAIE's
     picker = subprocess.Popen(
         [COSERVE, "epp", "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
          "--metrics-port", str(metrics)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

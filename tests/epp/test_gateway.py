@@ -15,13 +15,14 @@ import httpx
 import pytest
 
 from coserve.router.config import parse_router_config
-from epp_gateway import Gateway, Picker
+from epp_gateway import GATEWAY_MODES, Gateway, Picker
 from router_served import MODEL
 from scripted_engine import ScriptedEngine
 
 
-@pytest.fixture
-def pool() -> Iterator[dict[str, Any]]:
+@pytest.fixture(params=GATEWAY_MODES)
+def pool(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The picker behind Envoy in each ext_proc body mode (``GATEWAY_MODES``), before two decoders and a prefiller."""
     prefiller = ScriptedEngine("p0")
     busy = ScriptedEngine("d0", kv_usage=0.6, conversations=True)
     light = ScriptedEngine("d1", kv_usage=0.2, conversations=True)
@@ -30,9 +31,10 @@ def pool() -> Iterator[dict[str, Any]]:
         {"model": MODEL, "prefillers": [prefiller.url], "decoders": [busy.url, light.url], "pollS": 1.0}
     )
     picker = Picker(config)
-    gateway = Gateway(picker.port)
+    gateway = Gateway(picker.port, mode=request.param)
     try:
-        yield {"gateway": gateway, "picker": picker, "prefiller": prefiller, "busy": busy, "light": light}
+        yield {"gateway": gateway, "picker": picker, "prefiller": prefiller, "busy": busy, "light": light,
+               "mode": request.param}  # fmt: skip
     finally:
         gateway.stop()
         picker.stop()
@@ -76,6 +78,19 @@ def test_streaming_is_relayed_by_envoy(pool: dict[str, Any]) -> None:
         assert response.headers["content-type"].startswith("text/event-stream")
         text = b"".join(response.iter_bytes()).decode()
     assert "d10" in text and "d12" in text and text.rstrip().endswith("data: [DONE]")
+    # full duplex, the tokens pass the picker (it echoes them); buffered, Envoy streams them alone
+    echoed = pool["picker"].router.metrics.registry.get_sample_value("coserve_epp_response_body_bytes_total")
+    assert echoed == (len(text.encode()) if pool["mode"] == "full-duplex" else 0)
+
+
+def test_a_body_larger_than_one_streamed_chunk_reaches_the_decoder_whole(pool: dict[str, Any]) -> None:
+    """Full duplex: the gateway sends the body in chunks and forwards only what the picker sends back, which it
+    sends in chunks of its own (below 64 KiB)."""
+    long = "word " * 40_000  # 200 kB: several chunks either way
+    response = chat(pool["gateway"].url, [{"role": "user", "content": long}], "conv-long")
+    assert response.status_code == 200, response.text
+    (sent,) = pool["light"].requests
+    assert sent["messages"][0]["content"] == long
 
 
 def test_a_client_s_engine_fields_never_reach_an_engine(pool: dict[str, Any]) -> None:
@@ -113,15 +128,18 @@ def test_a_picker_that_is_down_fails_closed(pool: dict[str, Any]) -> None:
     assert not pool["light"].requests and not pool["busy"].requests  # never sent to an engine it did not pick
 
 
-def test_a_picker_that_answers_too_late_fails_closed() -> None:
+@pytest.mark.parametrize("mode", GATEWAY_MODES)
+def test_a_picker_that_answers_too_late_fails_closed(mode: str) -> None:
+    """Buffered, Envoy bounds each of the picker's answers (message_timeout); in full duplex it does not, and
+    the request's idle timeout bounds it instead."""
     prefiller, decoder = ScriptedEngine("p0"), ScriptedEngine("d0", conversations=True)
     prefiller.delay_s = 3.0  # turn 1's prefill happens inside the picker's answer
     config = parse_router_config({"model": MODEL, "prefillers": [prefiller.url], "decoders": [decoder.url]})
     picker = Picker(config)
-    gateway = Gateway(picker.port, message_timeout_s=0.5)
+    gateway = Gateway(picker.port, message_timeout_s=0.5, mode=mode, idle_timeout_s=1.0)
     try:
         response = chat(gateway.url, [{"role": "user", "content": "hi"}], "conv-late")
-        assert response.status_code == 504  # the picker's answer did not come within message_timeout
+        assert response.status_code == 504, response.text  # no answer from the picker in time
         assert not decoder.requests
     finally:
         gateway.stop()

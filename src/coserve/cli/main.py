@@ -214,6 +214,13 @@ def _add_epp_command(commands: Any) -> None:
         "--envoy-config", metavar="FILE", help="write an Envoy bootstrap (JSON) for a gateway on --gateway-port"
     )
     epp.add_argument("--gateway-port", type=int, default=8080, help="the Envoy listener's port (default: 8080)")
+    epp.add_argument(
+        "--body-mode",
+        choices=("full-duplex", "buffered"),
+        default="full-duplex",
+        help="how the written Envoy sends bodies to the picker: full-duplex (as GAIE's gateways: the tokens pass "
+        "the picker) or buffered (the request body whole, the response body never: cheaper) (default: full-duplex)",
+    )
     epp.set_defaults(handler=_cmd_epp)
 
 
@@ -232,7 +239,7 @@ def _cmd_epp(args: argparse.Namespace) -> int:
     if args.envoy_config:
         picker_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # noqa: S104
         bootstrap = envoy_bootstrap(listen_port=args.gateway_port, picker_host=picker_host, picker_port=args.port,
-                                    max_request_bytes=config.max_body_bytes)  # fmt: skip
+                                    max_request_bytes=config.max_body_bytes, body_mode=args.body_mode)  # fmt: skip
         Path(args.envoy_config).write_text(json.dumps(bootstrap, indent=2) + "\n")
         print(f"wrote {args.envoy_config}: run `envoy -c {args.envoy_config}` beside `coserve epp`")
         return EXIT_OK

@@ -5,9 +5,12 @@ without a managed gateway (``coserve epp --envoy-config``). Managed gateways (kg
 GKE) build the equivalent from an InferencePool; this is that configuration, small enough to read:
 
 - a listener whose HTTP filters are ext_proc (the picker, over gRPC) and the router;
-- ext_proc sends the request headers, the request body buffered whole (the picker admits and places it, and
-  may rewrite it: engine fields stripped, the class, a prefiller's transfer parameters) and the response
-  headers (the answer's status); it does not see the response body, so Envoy streams the tokens itself;
+- ext_proc sends the request headers and body, and the response headers (the answer's status) and body, in
+  ``FULL_DUPLEX_STREAMED`` mode with trailers, as GAIE's gateways configure it: the picker answers the headers
+  once the body is whole (it admits and places it, and may rewrite it: engine fields stripped, the class, a
+  prefiller's transfer parameters) and sends the body back, and it echoes the response body's chunks (the
+  tokens pass the picker). ``body_mode="buffered"`` is the cheaper exchange for a gateway of your own: the
+  request body buffered whole and the response body never sent, so Envoy streams the tokens itself;
 - the picker fails closed (``failure_mode_allow: false``): when it is unreachable, or does not answer within
   ``message_timeout_s`` (turn 1's prefill happens inside its answer), Envoy refuses the request rather than
   sending it to an engine the picker did not choose;
@@ -19,11 +22,13 @@ Pure: returns the configuration as data; the caller writes it (YAML or JSON; Env
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from coserve.gaie import DESTINATION_HEADER
 
-__all__ = ["envoy_bootstrap"]
+__all__ = ["BodyMode", "envoy_bootstrap"]
+
+BodyMode = Literal["full-duplex", "buffered"]
 
 _HCM_NAME = "envoy.filters.network.http_connection_manager"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -45,15 +50,21 @@ def envoy_bootstrap(
     admin_port: int | None = None,
     message_timeout_s: float = 60.0,
     max_request_bytes: int = 8 * 1024 * 1024,
+    body_mode: BodyMode = "full-duplex",
+    idle_timeout_s: float = 300.0,
 ) -> dict[str, Any]:
     """The bootstrap: clients on ``listen_host:listen_port``, the picker at ``picker_host:picker_port`` (a DNS
     name, such as the picker's Service, or an IP). ``max_request_bytes`` bounds a buffered request (the
-    router's ``maxBodyBytes``); ``admin_port`` opens Envoy's admin on loopback (readiness, stats)."""
+    router's ``maxBodyBytes``); ``admin_port`` opens Envoy's admin on loopback (readiness, stats);
+    ``body_mode``: how ext_proc sends bodies (module docstring); ``idle_timeout_s``:
+    how long a request may go without a byte either way, which bounds a picker that does not answer in full
+    duplex mode (where Envoy runs no ``message_timeout``) and a stalled decode (0: unbounded)."""
+    manager = _manager(message_timeout_s, body_mode, idle_timeout_s)
     listener = {
         "name": "gateway",
         "address": _address(listen_host, listen_port),
         "per_connection_buffer_limit_bytes": max_request_bytes,
-        "filter_chains": [{"filters": [{"name": _HCM_NAME, "typed_config": _manager(message_timeout_s)}]}],
+        "filter_chains": [{"filters": [{"name": _HCM_NAME, "typed_config": manager}]}],
     }
     clusters = [_picker_cluster(picker_host, picker_port), _engines_cluster(max_request_bytes)]
     bootstrap: dict[str, Any] = {"static_resources": {"listeners": [listener], "clusters": clusters}}
@@ -62,7 +73,22 @@ def envoy_bootstrap(
     return bootstrap
 
 
-def _manager(message_timeout_s: float) -> dict[str, Any]:
+def _processing_mode(body_mode: BodyMode) -> dict[str, str]:
+    if body_mode == "buffered":
+        request, response, trailers = "BUFFERED", "NONE", "SKIP"
+    else:  # full duplex needs the trailers sent (Envoy refuses the configuration otherwise)
+        request, response, trailers = "FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "SEND"
+    return {
+        "request_header_mode": "SEND",
+        "request_body_mode": request,
+        "request_trailer_mode": trailers,
+        "response_header_mode": "SEND",
+        "response_body_mode": response,
+        "response_trailer_mode": trailers,
+    }
+
+
+def _manager(message_timeout_s: float, body_mode: BodyMode, idle_timeout_s: float) -> dict[str, Any]:
     """HTTP: every request through ext_proc (the picker), then to the ``pool`` cluster."""
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -71,20 +97,13 @@ def _manager(message_timeout_s: float) -> dict[str, Any]:
             "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
             "failure_mode_allow": False,
             "message_timeout": f"{message_timeout_s:g}s",
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "request_body_mode": "BUFFERED",
-                "request_trailer_mode": "SKIP",
-                "response_header_mode": "SEND",
-                "response_body_mode": "NONE",
-                "response_trailer_mode": "SKIP",
-            },
+            "processing_mode": _processing_mode(body_mode),
         },
     }
     return {
         "@type": _HCM,
         "stat_prefix": "gateway",
-        "stream_idle_timeout": "0s",  # a long decode may pause between tokens; the engines time out, not Envoy
+        "stream_idle_timeout": f"{idle_timeout_s:g}s",
         "route_config": {
             "name": "pool",
             "virtual_hosts": [

@@ -35,15 +35,16 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Counter
 from starlette.responses import Response
 
 from coserve.gaie import DESTINATION_HEADER, HEALTH_SERVICES, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
@@ -61,7 +62,10 @@ __all__ = ["EndpointPicker", "serve"]
 logger = logging.getLogger("coserve.epp")
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_FAILED_FORWARD = {502, 503, 504}  # what the router retries elsewhere: the decoder did not answer
+_FAILED_FORWARD = {502, 503, 504}
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+# a body sent back in full-duplex mode goes in chunks below 64 KiB, which some Envoy builds cap a chunk at
+_CHUNK_BYTES = 62_000  # what the router retries elsewhere: the decoder did not answer
 
 
 class _Buffered:
@@ -108,12 +112,22 @@ def _address(decoder: EngineLoad) -> str:
 
 
 class _Exchange:
-    """One HTTP request's conversation with the gateway (module steps 1-4)."""
+    """One HTTP request's conversation with the gateway (module steps 1-4), in either body mode.
+
+    ``BUFFERED`` (``coserve.epp.envoy``'s own configuration): Envoy waits for the answer to the headers, sends
+    the body whole, and takes the picked endpoint and the rewritten body from the answer to it; the response
+    body passes the picker by. ``FULL_DUPLEX_STREAMED`` (what GAIE's gateways configure, both ways): Envoy
+    sends the headers and the body's chunks without waiting, and forwards only what the picker sends back. The
+    picker answers the headers once the body is whole (with the endpoint), then sends the body back in
+    chunks, and echoes each chunk of the response body (Envoy 1.40 ignores a ``mode_override`` that would take
+    the response body off a full-duplex stream: every token passes the picker, as with GAIE's own pickers).
+    """
 
     _ledger_ids = itertools.count()
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, echoed: Counter) -> None:
         self.router = router
+        self.echoed = echoed
         self.headers: dict[str, str] = {}
         self.body = bytearray()
         self.endpoint: str | None = None
@@ -121,6 +135,10 @@ class _Exchange:
         self.conversation: str | None = None
         self.ledger: str | None = None
         self.subset: set[str] | None = None  # the endpoints the gateway allows, when it narrows them
+        self.duplex_request = False  # FULL_DUPLEX_STREAMED request body (the gateway says so in its first message)
+        self.duplex_response = False
+        self.decided = False  # the request's answer (endpoint or refusal) is sent
+        self.unchanged_body: bytes | None = None  # a body placement does not read, forwarded as it came
 
     def _excluded(self) -> frozenset[str]:
         """The decoders outside the gateway's subset (``ip:port``), as URLs; none when it sent no subset."""
@@ -128,8 +146,12 @@ class _Exchange:
             return frozenset()
         return frozenset(url for url, d in self.router.engines.decoders.items() if _address(d) not in self.subset)
 
-    async def answer(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
+    async def answer(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
+        """What the picker sends back for one message of the gateway: none, one or several responses."""
         kind = message.WhichOneof("request")
+        if message.HasField("protocol_config"):
+            self.duplex_request = message.protocol_config.request_body_mode == _FULL_DUPLEX
+            self.duplex_response = message.protocol_config.response_body_mode == _FULL_DUPLEX
         hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
         if hint is not None and SUBSET_KEY in hint.fields:
             self.subset = {str(endpoint) for endpoint in hint[SUBSET_KEY]}
@@ -137,53 +159,70 @@ class _Exchange:
             self.headers = _headers(message.request_headers)
             self.endpoint = HOT_PATHS.get(self.headers.get(":path", "").split("?", 1)[0])
             if message.request_headers.end_of_stream:  # no body: nothing to admit, any decoder will do
-                return self._pick_any("request_headers")
-            return ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
+                return self._decide(self._pick_any())
+            # full duplex: the headers are answered with the body, once the endpoint is known
+            return (
+                [] if self.duplex_request else [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
+            )
         if kind == "request_body":
             self.body += message.request_body.body
             if not message.request_body.end_of_stream:
-                return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
-            if self.endpoint is None or self.headers.get(":method", "POST") != "POST":
-                return self._pick_any("request_body")
-            return await self._place(self.endpoint)
+                return (
+                    [] if self.duplex_request else [ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())]
+                )
+            return self._decide(await self._place(), end_of_stream=True)
+        if kind == "request_trailers":  # a body that ended with trailers: the trailers are its end
+            decided = [] if self.decided else self._decide(await self._place(), end_of_stream=False)
+            return [*decided, ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())]
         if kind == "response_headers":
             self._answered(_headers(message.response_headers).get(":status", "0"))
-            return ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
-        empty: dict[str, Any] = {
-            "response_body": {"response_body": ext_proc.BodyResponse()},
-            "request_trailers": {"request_trailers": ext_proc.TrailersResponse()},
-            "response_trailers": {"response_trailers": ext_proc.TrailersResponse()},
-        }
-        return ext_proc.ProcessingResponse(**empty.get(kind or "", {}))
+            return [ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())]
+        if kind == "response_body":
+            chunk = message.response_body
+            self.echoed.inc(len(chunk.body))
+            if not self.duplex_response:
+                return [ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())]
+            return [
+                ext_proc.ProcessingResponse(
+                    response_body=ext_proc.BodyResponse(response=_streamed(chunk.body, chunk.end_of_stream))
+                )
+            ]
+        if kind == "response_trailers":
+            return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
+        return []
 
-    async def _place(self, endpoint: str) -> ext_proc.ProcessingResponse:
+    async def _place(self) -> Placed | Response:
+        """The request's decoder and the body it gets, or the router's refusal; non-completions go anywhere."""
+        endpoint = self.endpoint
+        if endpoint is None or self.headers.get(":method", "POST") != "POST":
+            return self._pick_any(body=bytes(self.body))
         router = self.router
         admitted = await admit(_Buffered(self.headers, bytes(self.body)), endpoint, router.config)
         if not isinstance(admitted, Admitted):
-            return self._refused(admitted)
+            return admitted
         placement = router.placement
         excluded = self._excluded()
         if router.config.placement == "request":
-            placed = placement.least_occupied(admitted.body, excluded)
-        else:
-            conversation, pin = await placement.known_pin(
-                endpoint, admitted.body, admitted.conversation, admitted.named
-            )
-            placed = await placement.place_on(endpoint_path(endpoint), admitted.body, conversation, pin,
-                                              admitted.cls.ttft_slo_s, excluded)  # fmt: skip
-            self.conversation = conversation
-        if not isinstance(placed, Placed):
-            return self._refused(placed)
-        return self._forward(placed, "request_body")
+            return placement.least_occupied(admitted.body, excluded)
+        conversation, pin = await placement.known_pin(endpoint, admitted.body, admitted.conversation, admitted.named)
+        self.conversation = conversation
+        return await placement.place_on(endpoint_path(endpoint), admitted.body, conversation, pin,
+                                        admitted.cls.ttft_slo_s, excluded)  # fmt: skip
 
-    def _pick_any(self, kind: str) -> ext_proc.ProcessingResponse:
+    def _pick_any(self, body: bytes | None = None) -> Placed | Response:
+        """The least-occupied decoder, for a request placement does not read (``body``: kept as it came)."""
         placed = self.router.placement.least_occupied({}, self._excluded())
-        if not isinstance(placed, Placed):
-            return self._refused(placed)
-        return self._forward(placed, kind, body=False)
+        if isinstance(placed, Placed):
+            self.unchanged_body = body
+        return placed
 
-    def _forward(self, placed: Placed, kind: str, body: bool = True) -> ext_proc.ProcessingResponse:
-        """Envoy's instructions: the decoder, the headers the router would send it, and the body it gets."""
+    def _decide(self, placed: Placed | Response, *, end_of_stream: bool = True) -> list[ext_proc.ProcessingResponse]:
+        """Envoy's instructions for the request: the decoder, the headers the router would send it and the body
+        it gets; or the refusal, as an immediate response."""
+        self.decided = True
+        if not isinstance(placed, Placed):
+            self.router.metrics.requests_of(self.endpoint or "other", str(placed.status_code)).inc()
+            return [_immediate(placed)]
         self.decoder = placed.decoder
         self.ledger = f"e{next(self._ledger_ids)}"
         placed.decoder.sent(self.ledger, placed.computes, output_tokens(placed.body))
@@ -191,25 +230,32 @@ class _Exchange:
         headers = {DESTINATION_HEADER: destination, **self.router.upstream.engine_headers()}
         if self.conversation is not None:
             headers[CONVERSATION_HEADER] = self.conversation
-        content = fastjson.dumps(placed.body) if body else None
-        if content is not None:
+        unchanged = self.unchanged_body
+        content = unchanged if unchanged is not None else (fastjson.dumps(placed.body) if self.body else None)
+        if content is not None and unchanged is None:
             headers["content-length"] = str(len(content))
-        common = ext_proc.CommonResponse(
-            header_mutation=_set(headers),
-            body_mutation=None if content is None else ext_proc.BodyMutation(body=content),
-        )
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: destination}})
-        answer = (
-            ext_proc.HeadersResponse(response=common)
-            if kind == "request_headers"
-            else ext_proc.BodyResponse(response=common)
-        )
-        return ext_proc.ProcessingResponse(dynamic_metadata=metadata, **{kind: answer})
-
-    def _refused(self, response: Response) -> ext_proc.ProcessingResponse:
-        self.router.metrics.requests_of(self.endpoint or "other", str(response.status_code)).inc()
-        return _immediate(response)
+        if not self.body:  # the headers were the whole request: answered in the headers' response
+            common = ext_proc.CommonResponse(header_mutation=_set(headers))
+            return [ext_proc.ProcessingResponse(dynamic_metadata=metadata,
+                                                request_headers=ext_proc.HeadersResponse(response=common))]  # fmt: skip
+        if not self.duplex_request:  # buffered: everything in the body's answer
+            changed = None if unchanged is not None else ext_proc.BodyMutation(body=content)
+            common = ext_proc.CommonResponse(header_mutation=_set(headers), body_mutation=changed)
+            return [ext_proc.ProcessingResponse(dynamic_metadata=metadata,
+                                                request_body=ext_proc.BodyResponse(response=common))]  # fmt: skip
+        common = ext_proc.CommonResponse(header_mutation=_set(headers), clear_route_cache=True)
+        answers = [ext_proc.ProcessingResponse(dynamic_metadata=metadata,
+                                               request_headers=ext_proc.HeadersResponse(response=common))]  # fmt: skip
+        body = content or b""
+        chunks = [body[i : i + _CHUNK_BYTES] for i in range(0, len(body), _CHUNK_BYTES)] or [b""]
+        for index, chunk in enumerate(chunks):
+            last = end_of_stream and index == len(chunks) - 1
+            answers.append(
+                ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=_streamed(chunk, last)))
+            )
+        return answers
 
     def _answered(self, status: str) -> None:
         """The decoder's answer began (or Envoy answered for it: a 503 when it could not connect)."""
@@ -229,20 +275,33 @@ class _Exchange:
             self.decoder.answered(self.ledger)
 
 
+def _streamed(chunk: bytes, end_of_stream: bool) -> ext_proc.CommonResponse:
+    """A full-duplex body chunk sent back to the gateway, which forwards exactly what it gets."""
+    streamed = ext_proc.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
+    return ext_proc.CommonResponse(body_mutation=ext_proc.BodyMutation(streamed_response=streamed))
+
+
 class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """Envoy's external processor: one ``Process`` stream per HTTP request (module steps)."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        # what a gateway that keeps the response body on the picker costs it (0 where it lets the picker opt out)
+        self.echoed = Counter(
+            "coserve_epp_response_body_bytes",
+            "Response body bytes the gateway sent through the picker.",
+            registry=router.metrics.registry,
+        )
 
     async def Process(  # the gRPC method's name
         self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ext_proc.ProcessingResponse]:
-        exchange = _Exchange(self.router)
+        exchange = _Exchange(self.router, self.echoed)
         try:
             async for message in request_iterator:
                 try:
-                    yield await exchange.answer(message)
+                    for response in await exchange.answer(message):
+                        yield response
                 except Exception:  # never a traceback to the gateway: the client gets the router's 500 body
                     logger.exception("endpoint picker failed on a request")
                     yield _immediate(error_response(500, "internal error in the endpoint picker; it is logged"))
