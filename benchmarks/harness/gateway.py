@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from coserve.epp.envoy import envoy_bootstrap
+from coserve.epp.envoy import BodyMode, envoy_bootstrap
 from harness.peers import free_port, launched
 
 
@@ -23,17 +23,18 @@ def envoy_path() -> str:
 
 
 @contextmanager
-def gateway(config: Path, workdir: Path, cores: set[int] | None = None, quiet: bool = True) -> Iterator[
-    tuple[str, list[str], tuple[int, int]]
-]:  # fmt: skip
+def gateway(
+    config: Path, workdir: Path, cores: set[int] | None = None, quiet: bool = True, body_mode: BodyMode = "full-duplex"
+) -> Iterator[tuple[str, list[str], tuple[int, int]]]:
     """``coserve epp`` for the router config ``config`` and one Envoy (one worker thread) in front of it, both on
     ``cores``: the gateway's URL, the URLs that answer 200 once both are ready (the picker's metrics, Envoy's
-    readiness), and the pids (picker, Envoy)."""
+    readiness), and the pids (picker, Envoy). ``body_mode``: ext_proc's, as GAIE's gateways (full duplex) or
+    coserve's cheaper buffered exchange."""
     picker_port, metrics_port, listen_port, admin_port = free_port(), free_port(), free_port(), free_port()
     bootstrap = workdir / f"envoy-{listen_port}.json"
     bootstrap.write_text(json.dumps(envoy_bootstrap(
         listen_host="127.0.0.1", listen_port=listen_port, picker_host="127.0.0.1", picker_port=picker_port,
-        admin_port=admin_port,
+        admin_port=admin_port, body_mode=body_mode,
     )))  # fmt: skip
     picker = [str(Path(sys.executable).with_name("coserve")), "epp", "--config", str(config), "--host", "127.0.0.1",
               "--port", str(picker_port), "--metrics-port", str(metrics_port), "--log-level", "warning"]  # fmt: skip
