@@ -23,7 +23,7 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
 from coserve.epp.envoy import BodyMode, envoy_bootstrap
-from coserve.epp.server import EndpointPicker
+from coserve.epp.server import SERVER_OPTIONS, EndpointPicker
 from coserve.router.app import Router
 from coserve.router.config import RouterConfig
 from router_served import free_port
@@ -53,7 +53,7 @@ class Picker:
     async def _start(self) -> None:
         self.router = Router(self._config)
         await self.router.start()
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(self.router), self._server)
         self._server.add_insecure_port(f"127.0.0.1:{self.port}")
         await self._server.start()

@@ -78,6 +78,21 @@ def mean_interval(values: Sequence[float]) -> tuple[float, float]:
     return mean, t975(n - 1) * statistics.stdev(values) / n**0.5
 
 
+def percentile_ratio_interval(
+    ours: Sequence[float], theirs: Sequence[float], q: float, resamples: int = 2000, seed: int = 7
+) -> list[float] | None:
+    """95 % bootstrap interval of ``percentile(ours, q) / percentile(theirs, q)``, each sample resampled on its
+    own; ``None`` when either sample is too small for the percentile (``MIN_SAMPLES``)."""
+    if len(ours) < MIN_SAMPLES.get(int(q), 1) or len(theirs) < MIN_SAMPLES.get(int(q), 1):
+        return None
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(ours, dtype=float), np.asarray(theirs, dtype=float)
+    pa = np.percentile(rng.choice(a, (resamples, a.size)), q, axis=1, method="nearest")
+    pb = np.percentile(rng.choice(b, (resamples, b.size)), q, axis=1, method="nearest")
+    ratios = pa / pb
+    return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
+
+
 @dataclass
 class PairedOverhead:
     """An overhead measured as interleaved A/B pairs until its 95% interval is narrower than the target.

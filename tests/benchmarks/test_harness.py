@@ -80,6 +80,20 @@ def test_percentiles_need_enough_samples(harness: SimpleNamespace) -> None:
     assert stats.reportable_percentile(values[:9], 50) is None
 
 
+def test_a_percentile_ratio_interval_holds_the_ratio_and_needs_enough_samples(harness: SimpleNamespace) -> None:
+    stats = harness.stats
+    rng = random.Random(3)
+    ours = [rng.expovariate(1.0) * 2 for _ in range(300)]
+    theirs = [rng.expovariate(1.0) for _ in range(300)]
+    low, high = stats.percentile_ratio_interval(ours, theirs, 95)
+    point = stats.percentile(ours, 95) / stats.percentile(theirs, 95)
+    assert low < point < high
+    assert low > 1.0 and high < 4.0  # twice as slow, told apart from "the same"
+    same = stats.percentile_ratio_interval(theirs, theirs, 95)
+    assert same[0] < 1.0 < same[1]
+    assert stats.percentile_ratio_interval(ours[:99], theirs, 95) is None  # p95 needs 100
+
+
 # --- Student's t ----------------------------------------------------------------------------------------
 
 

@@ -146,3 +146,50 @@ def test_a_picker_that_answers_too_late_fails_closed(mode: str) -> None:
         picker.stop()
         prefiller.stop()
         decoder.stop()
+
+
+def test_the_picker_queues_calls_it_cannot_take_up_yet_rather_than_cancelling_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gRPC core cancels the calls an overloaded server has not taken up (past 1,000 waiting for 30 s, past
+    3,000 at once), and the gateway answers each with a 500: a gateway streaming 256 tokens at 500 requests/s
+    through one picker got thousands of them. The picker's server raises both bounds (and the wait) far above
+    any gateway's concurrency, so overload queues, as in the router. Checked on the server ``serve`` builds."""
+    import asyncio
+
+    from coserve.epp import server as module
+
+    built: list[dict[str, Any]] = []
+
+    class Built(Exception):
+        pass
+
+    def capture(*args: Any, options: Any = (), **kwargs: Any) -> None:
+        built.append(dict(options))
+        raise Built
+
+    decoder = ScriptedEngine("d0", conversations=True)
+    monkeypatch.setattr(module.grpc.aio, "server", capture)
+    try:
+        with pytest.raises(Built):
+            asyncio.run(module.serve(parse_router_config({"model": MODEL, "decoders": [decoder.url]}), "127.0.0.1", 0))
+    finally:
+        decoder.stop()
+    (options,) = built
+    assert options["grpc.server.max_pending_requests"] >= 100_000
+    assert options["grpc.server.max_pending_requests_hard_limit"] >= 100_000
+    assert options["grpc.server_max_unrequested_time_in_server"] >= 3_600
+
+
+def test_envoys_own_limits_do_not_refuse_what_the_engines_would_queue() -> None:
+    """Envoy's default circuit breakers allow 1,024 requests in flight per cluster and answer the rest with a
+    500 at once (upstream_rq_active_overflow): every request holds a picker stream until its last token, so
+    streaming at 1,500 requests/s through one picker hit it 5,137 times in 8,000. Both clusters lift them."""
+    from coserve.epp.envoy import envoy_bootstrap
+
+    config = envoy_bootstrap(listen_port=8080, picker_host="picker", picker_port=9002)
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    assert set(clusters) == {"endpoint_picker", "pool"}
+    for cluster in clusters.values():
+        (limits,) = cluster["circuit_breakers"]["thresholds"]
+        assert min(limits[k] for k in ("max_connections", "max_pending_requests", "max_requests")) >= 100_000

@@ -119,12 +119,22 @@ def _manager(message_timeout_s: float, body_mode: BodyMode, idle_timeout_s: floa
     }
 
 
+# Envoy's default circuit breakers allow 1,024 requests in flight per cluster, and fail the rest at once (a 500,
+# since the picker's stream is part of every request). Each request holds a picker stream until its last token,
+# so a gateway streaming long answers passes 1,024 well before the engines are full: the limits here are the
+# engines' to set (their queues), not the proxy's.
+_CIRCUIT_BREAKERS = {
+    "thresholds": [{"max_connections": 1_000_000, "max_pending_requests": 1_000_000, "max_requests": 1_000_000}]
+}
+
+
 def _picker_cluster(host: str, port: int) -> dict[str, Any]:
     """The picker, over HTTP/2 (gRPC); a DNS name is resolved and followed."""
     return {
         "name": "endpoint_picker",
         "type": "STRICT_DNS",
         "connect_timeout": "5s",
+        "circuit_breakers": _CIRCUIT_BREAKERS,
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _HTTP_OPTIONS,
@@ -145,6 +155,7 @@ def _engines_cluster(max_request_bytes: int) -> dict[str, Any]:
         "type": "ORIGINAL_DST",
         "lb_policy": "CLUSTER_PROVIDED",
         "connect_timeout": "5s",
+        "circuit_breakers": _CIRCUIT_BREAKERS,
         "per_connection_buffer_limit_bytes": max_request_bytes,
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
     }

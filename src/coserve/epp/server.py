@@ -63,6 +63,15 @@ logger = logging.getLogger("coserve.epp")
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _FAILED_FORWARD = {502, 503, 504}
+# gRPC core sheds calls the application has not taken up yet: past 1,000 waiting, those older than 30 s, past
+# 3,000 all of them, each a CANCELLED stream, which the gateway turns into a 500. Every request holds a picker
+# stream until its last token, so a gateway streaming long answers passes those counts long before the engines
+# are full: overload shows as queueing in the picker, as in the router, never as refused requests.
+SERVER_OPTIONS = (
+    ("grpc.server.max_pending_requests", 1_000_000),
+    ("grpc.server.max_pending_requests_hard_limit", 1_000_000),
+    ("grpc.server_max_unrequested_time_in_server", 3_600),
+)
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 # a body sent back in full-duplex mode goes in chunks below 64 KiB, which some Envoy builds cap a chunk at
 _CHUNK_BYTES = 62_000  # what the router retries elsewhere: the decoder did not answer
@@ -312,27 +321,33 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[m
 
 async def serve(config: RouterConfig, host: str, port: int, metrics_port: int | None = None) -> None:
     """Run the picker until cancelled: the router's state (engines polled, pins), the ext_proc service, gRPC
-    health, and the router's metrics on ``metrics_port``."""
+    health, and the router's metrics on ``metrics_port``. The router's state is closed however it ends."""
     router = Router(config.model_copy(update={"batch_dir": None}))  # batches are the router's, not the picker's
     await router.start()
-    server = grpc.aio.server()
+    try:
+        await _serve_grpc(router, host, port, metrics_port)
+    finally:
+        await router.close()
+
+
+async def _serve_grpc(router: Router, host: str, port: int, metrics_port: int | None) -> None:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
         raise OSError(f"cannot listen on {host}:{port}")
-    if metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(metrics_port, addr=host, registry=router.metrics.registry)
     await server.start()
-    for service in HEALTH_SERVICES:  # serving once the engines were read (router.start)
-        await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("endpoint picker listening on %s:%d", host, port)
     try:
+        for service in HEALTH_SERVICES:  # serving once the engines were read (router.start)
+            await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if metrics_port:  # last: whoever waits for /metrics to answer finds ext_proc served too
+            from prometheus_client import start_http_server
+
+            start_http_server(metrics_port, addr=host, registry=router.metrics.registry)
+        logger.info("endpoint picker listening on %s:%d", host, port)
         await server.wait_for_termination()
     finally:
         with contextlib.suppress(Exception):
             await server.stop(grace=1.0)
-        await router.close()
