@@ -11,7 +11,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,3 +82,17 @@ def start_operator(namespace: str, identity: str, log: Path) -> Operator:
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=operator_env(), text=True)
     return Operator(process, log)
+
+
+@contextmanager
+def acting_operator(namespace: str, identity: str, log: Path) -> Iterator[Operator | None]:
+    """A ``coserve operator`` this suite starts for ``namespace``, stopped at the end; ``None`` when
+    E2E_OPERATOR_IN_CLUSTER=1 says the chart's operator runs in the cluster."""
+    if os.environ.get("E2E_OPERATOR_IN_CLUSTER") == "1":
+        yield None
+        return
+    started = start_operator(namespace, identity, log)
+    try:
+        yield started
+    finally:
+        started.stop()

@@ -13,7 +13,6 @@ InferencePool, never True.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,8 +26,8 @@ from e2e_cluster import (
     RESYNC_S,
     Kubectl,
     Operator,
+    acting_operator,
     get_json,
-    start_operator,
     wait_until,
 )
 
@@ -75,14 +74,9 @@ def gateway_operator(
     crd_applied: object, gateway_crds: None, gateway_namespace: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator | None]:
     """An operator started after the CRDs are in (``None`` when E2E_OPERATOR_IN_CLUSTER=1: the chart's)."""
-    if os.environ.get("E2E_OPERATOR_IN_CLUSTER") == "1":
-        yield None
-        return
-    started = start_operator(gateway_namespace, "e2e-gateway-operator", tmp_path_factory.mktemp("gw") / "operator.log")
-    try:
+    log = tmp_path_factory.mktemp("gw") / "operator.log"
+    with acting_operator(gateway_namespace, "e2e-gateway-operator", log) as started:
         yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from e2e_cluster import (
     RESYNC_S,
     Kubectl,
     Operator,
+    acting_operator,
     get_json,
     start_operator,
     wait_until,
@@ -64,14 +65,8 @@ def operator(
     kubectl: Kubectl, crd_applied: object, namespace: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator | None]:
     """The acting operator (``None`` when E2E_OPERATOR_IN_CLUSTER=1 says the chart's runs in the cluster)."""
-    if os.environ.get("E2E_OPERATOR_IN_CLUSTER") == "1":
-        yield None
-        return
-    started = start_operator(namespace, IDENTITY, tmp_path_factory.mktemp("operator") / "operator.log")
-    try:
+    with acting_operator(namespace, IDENTITY, tmp_path_factory.mktemp("operator") / "operator.log") as started:
         yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture(scope="module")

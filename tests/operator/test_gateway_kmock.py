@@ -80,5 +80,6 @@ async def test_without_the_crds_the_pool_is_served_and_says_what_to_install_then
         await eventually(
             lambda: not any(exists(kmock, r, n) for r, n in [*PICKER, *GATEWAY_API]), "gateway mode's children gone", 10
         )
-        assert condition(kmock, "GatewayReady")["reason"] == "Disabled"
+        # the status is written after the deletions land: wait for it rather than read it at once
+        await eventually(lambda: condition(kmock, "GatewayReady")["reason"] == "Disabled", "GatewayReady Disabled", 10)
         assert all(exists(kmock, r, n) for r, n in CHILDREN)

@@ -993,6 +993,19 @@ def router_image(router: RouterSpec, operator_image_tag: str | None = None) -> s
     return f"{repository}:{operator_image_tag}"
 
 
+# A read-only root still needs somewhere for Python's temporary files (the router's and the picker's pods).
+_TMP_MOUNT: Manifest = {"name": "tmp", "mountPath": "/tmp"}  # noqa: S108 (a path in the pod)
+
+
+def _control_plane_security(options: PodTemplateOptions) -> Manifest:
+    """The router's and the picker's container: restricted, a read-only root, the image's user; the pool's
+    ``spec.router.securityContext`` over it."""
+    return merged_over(
+        {**RESTRICTED_CONTAINER_SECURITY, "readOnlyRootFilesystem": True, "runAsUser": ROUTER_USER_ID},
+        options.security_context,
+    )
+
+
 def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
     router = pool.spec.router
     options = pod_template_options(pool.spec, "router")
@@ -1013,14 +1026,10 @@ def _router_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "livenessProbe": _http_probe("/live", period_s=10, failure_threshold=3),
         "readinessProbe": _http_probe("/ready", period_s=5, failure_threshold=3),
         "resources": _resources(router.resources),
-        "securityContext": merged_over(
-            {**RESTRICTED_CONTAINER_SECURITY, "readOnlyRootFilesystem": True, "runAsUser": ROUTER_USER_ID},
-            options.security_context,
-        ),
-        # A read-only root still needs somewhere for Python's temporary files.
+        "securityContext": _control_plane_security(options),
         "volumeMounts": [
             _config_mount(),
-            {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (a path in the pod)
+            _TMP_MOUNT,
             {"name": "batches", "mountPath": ROUTER_BATCH_PATH},
             _token_mount(),
             *options.volume_mounts,
@@ -1135,16 +1144,8 @@ def _picker_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "livenessProbe": _grpc_probe(LIVENESS_SERVICE, period_s=10, failure_threshold=3),
         "readinessProbe": _grpc_probe(READINESS_SERVICE, period_s=5, failure_threshold=3),
         "resources": _resources(pool.spec.gateway.picker_resources),
-        "securityContext": merged_over(
-            {**RESTRICTED_CONTAINER_SECURITY, "readOnlyRootFilesystem": True, "runAsUser": ROUTER_USER_ID},
-            options.security_context,
-        ),
-        "volumeMounts": [
-            _config_mount(),
-            {"name": "tmp", "mountPath": "/tmp"},  # noqa: S108 (a path in the pod)
-            _token_mount(),
-            *options.volume_mounts,
-        ],
+        "securityContext": _control_plane_security(options),
+        "volumeMounts": [_config_mount(), _TMP_MOUNT, _token_mount(), *options.volume_mounts],
     }
     pod_spec = {
         "automountServiceAccountToken": False,
