@@ -165,6 +165,8 @@ def main() -> int:
                         help="coserve's placements measured (default: all three)")  # fmt: skip
     parser.add_argument("--gateway-repetitions", type=int, default=2,
                         help="runs of the gateway and its router process, order alternating (default 2)")  # fmt: skip
+    parser.add_argument("--gateway-body-mode", choices=("full-duplex", "buffered"), default="full-duplex",
+                        help="ext_proc's body mode in the gateway arm (default: full-duplex, as GAIE's)")  # fmt: skip
     parser.add_argument("--no-gateway", action="store_true",
                         help="leave out Envoy + coserve's picker and the router process matched with it")  # fmt: skip
     args = parser.parse_args()
@@ -315,7 +317,7 @@ def write_gateway(results: dict[str, dict[str, Any]], args: argparse.Namespace) 
             "ttfet_p95_ratio_gateway_over_router": verdict["ratio"],
             "ttfet_p95_ratio_ci95": verdict["ratio_ci95"],
             "gateway_repetitions": args.gateway_repetitions,
-            "body_mode": "full-duplex (as GAIE's gateways configure ext_proc)",
+            "body_mode": args.gateway_body_mode,
             "gateway": results[GATEWAY],
             "baseline": {"name": ROUTER_PROCESS, **results[ROUTER_PROCESS]},
             "setup": {
@@ -343,7 +345,7 @@ def gateway_arms(pool: Any, workdir: Path, args: argparse.Namespace) -> dict[str
             pool.clear()
             with contextlib.ExitStack() as stack:
                 if name == GATEWAY:
-                    url, ready, _ = stack.enter_context(gateway(path, path.parent))
+                    url, ready, _ = stack.enter_context(gateway(path, path.parent, body_mode=args.gateway_body_mode))
                     for probe in ready:
                         wait_until_ok(probe)
                 else:
