@@ -23,17 +23,20 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
 from coserve.epp.envoy import BodyMode, envoy_bootstrap
-from coserve.epp.server import SERVER_OPTIONS, EndpointPicker
+from coserve.epp.server import SERVER_OPTIONS, EndpointPicker, listen
+from coserve.epp.tls import server_credentials
 from coserve.router.app import Router
 from coserve.router.config import RouterConfig
 from router_served import free_port
 
 
 class Picker:
-    """The endpoint picker on 127.0.0.1:``port``, its router state in ``router``."""
+    """The endpoint picker on 127.0.0.1:``port``, its router state in ``router``; with ``secure``, over TLS as
+    ``coserve epp --secure-serving [--cert-path cert_dir]`` serves it."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, secure: bool = False, cert_dir: Path | None = None) -> None:
         self._config = config
+        self._credentials = server_credentials(cert_dir) if secure else None
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self.router: Router | None = None
@@ -55,7 +58,7 @@ class Picker:
         await self.router.start()
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(self.router), self._server)
-        self._server.add_insecure_port(f"127.0.0.1:{self.port}")
+        listen(self._server, "127.0.0.1", self.port, self._credentials)
         await self._server.start()
 
     def call(self, coroutine: Any) -> Any:
@@ -98,14 +101,18 @@ class Gateway:
         message_timeout_s: float = 30.0,
         mode: BodyMode = "full-duplex",
         idle_timeout_s: float = 300,
+        picker_tls: bool = False,
+        picker_ca: Path | None = None,
     ) -> None:
-        """``mode``: ``full-duplex`` (as GAIE's gateways) or ``buffered``."""
+        """``mode``: ``full-duplex`` (as GAIE's gateways) or ``buffered``; ``picker_tls``: reach the picker over
+        TLS, checking its certificate against ``picker_ca`` when given."""
         self.port, self.admin = free_port(), free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="coserve-envoy-"))
         config = envoy_bootstrap(
             listen_host="127.0.0.1", listen_port=self.port, picker_host="127.0.0.1", picker_port=picker_port,
             admin_port=self.admin, message_timeout_s=message_timeout_s,
-            body_mode=mode, idle_timeout_s=idle_timeout_s,
+            body_mode=mode, idle_timeout_s=idle_timeout_s, picker_tls=picker_tls,
+            picker_ca=None if picker_ca is None else str(picker_ca),
         )  # fmt: skip
         path = self.dir / "envoy.json"
         path.write_text(json.dumps(config))

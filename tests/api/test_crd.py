@@ -338,6 +338,10 @@ RULE_CASES = [
              "spec.router.topologySpreadConstraints[0].labelSelector.matchExpressions[0]", "values are required"),
     RuleCase("resource-name-empty", {"engine": {"resources": {"limits": {"": 1}}}},
              'spec.engine.resources.limits[""]', "key:", "spec.engine.resources.limits", "resource names are 1 to 253"),
+    RuleCase("picker-cert-without-tls",
+             {"gateway": {"enabled": True, "secureServing": False, "pickerCertSecret": "picker-tls"}},
+             "spec.gateway.pickerCertSecret", "served only with secureServing",
+             "spec.gateway.pickerCertSecret", "served only with secureServing"),
 ]  # fmt: skip
 
 

@@ -21,7 +21,7 @@ import yaml
 
 from coserve.api import parse_pool
 from coserve.cli.main import _parser as cli_parser
-from coserve.gaie import HEALTH_SERVICES, PICKER_PORT
+from coserve.gaie import HEALTH_PORT, HEALTH_SERVICES, PICKER_PORT
 from coserve.operator.reconcile import reconcile
 from coserve.operator.resources import (
     GATEWAY_API_KINDS,
@@ -166,15 +166,39 @@ def test_the_picker_runs_coserve_epp_on_the_port_and_health_services_it_serves()
     args = cli_parser().parse_args(command[1:])  # the CLI takes what the operator renders
     assert args.port == PICKER_PORT
     assert args.config == "/etc/coserve/router.json"
-    assert {p["containerPort"] for p in container["ports"]} == {PICKER_PORT, args.metrics_port}
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert container[probe]["grpc"]["port"] == PICKER_PORT
+    assert {p["containerPort"] for p in container["ports"]} == {PICKER_PORT, args.metrics_port, args.health_port}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):  # the kubelet's probes speak no TLS
+        assert container[probe]["grpc"]["port"] == args.health_port == HEALTH_PORT
         assert container[probe]["grpc"]["service"] in HEALTH_SERVICES
     # the router's token, so the engines trust the class the picker sets; no API credentials
     assert {"name": "router-token", "secret": {"secretName": "chat-router-token"}} in deployment["spec"]["template"][
         "spec"
     ]["volumes"]
     assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def picker_parts(children: dict[tuple[str, str], dict[str, Any]]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The picker's parsed command, its pod spec and its Service's ext_proc port."""
+    pod = children[("Deployment", "chat-picker")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (port,) = [p for p in children[("Service", "chat-picker")]["spec"]["ports"] if p["port"] == PICKER_PORT]
+    return cli_parser().parse_args(container["command"][1:]), pod, port
+
+
+def test_the_picker_serves_tls_by_default_with_a_named_secret_mounted_where_it_reads_it() -> None:
+    """As GAIE's pickers: TLS unless turned off (gateways following GAIE's charts connect so); the Service's
+    appProtocol says which; a named kubernetes.io/tls Secret is mounted whole (no subPath: it rotates) at the
+    --cert-path the picker reads."""
+    args, pod, port = picker_parts(render(gateway_pool()))
+    assert args.secure_serving and args.cert_path is None  # a self-signed certificate
+    assert port["appProtocol"] == "http2"
+    args, pod, port = picker_parts(render(gateway_pool(secureServing=False)))
+    assert not args.secure_serving and port["appProtocol"] == "kubernetes.io/h2c"
+    args, pod, port = picker_parts(render(gateway_pool(pickerCertSecret="chat-picker-tls")))
+    assert args.secure_serving
+    (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "chat-picker-tls"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert str(args.cert_path) == mount["mountPath"] and mount["readOnly"] and "subPath" not in mount
 
 
 def test_the_route_sends_the_batch_api_to_the_router_and_completions_to_the_inference_pool() -> None:

@@ -38,6 +38,7 @@ from coserve.api.status import Plan
 from coserve.cli.bench import add_bench_command
 from coserve.cli.manifest import load_planned
 from coserve.cli.simulate import add_simulate_command
+from coserve.gaie import CERT_FILE, HEALTH_PORT, KEY_FILE
 
 if TYPE_CHECKING:
     from coserve.engine.profiler import EngineDtype
@@ -211,6 +212,25 @@ def _add_epp_command(commands: Any) -> None:
     _add_serving_arguments(epp, 9002, "ext_proc gRPC port")
     epp.add_argument("--metrics-port", type=int, default=9090, help="/metrics port; 0: none (default: 9090)")
     epp.add_argument(
+        "--health-port",
+        type=int,
+        default=HEALTH_PORT,
+        help=f"gRPC health in cleartext, for the kubelet's probes; 0: none (default: {HEALTH_PORT})",
+    )
+    epp.add_argument(
+        "--secure-serving",
+        action="store_true",
+        help="serve ext_proc over TLS, as GAIE's endpoint pickers do (the certificate from --cert-path, else a "
+        "self-signed one); gateways that follow GAIE's charts connect to a picker over TLS",
+    )
+    epp.add_argument(
+        "--cert-path",
+        metavar="DIR",
+        type=Path,
+        help=f"with --secure-serving: serve DIR/{CERT_FILE} and DIR/{KEY_FILE} (a kubernetes.io/tls Secret's "
+        "mount), read again on each new connection, so a rotated Secret is served without a restart",
+    )
+    epp.add_argument(
         "--envoy-config", metavar="FILE", help="write an Envoy bootstrap (JSON) for a gateway on --gateway-port"
     )
     epp.add_argument("--gateway-port", type=int, default=8080, help="the Envoy listener's port (default: 8080)")
@@ -231,15 +251,21 @@ def _cmd_epp(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     config = _router_config(args)
-    for flag, port in (("--metrics-port", args.metrics_port), ("--gateway-port", args.gateway_port)):
+    ports = (("--metrics-port", args.metrics_port), ("--gateway-port", args.gateway_port),
+             ("--health-port", args.health_port))  # fmt: skip
+    for flag, port in ports:
         if port and not 1 <= port <= 65535:
             raise InvalidInput([Problem(flag, f"must be a port number, got {port}")])
+    if args.cert_path is not None and not args.secure_serving:
+        raise InvalidInput([Problem("--cert-path", "serves a certificate only with --secure-serving")])
     from coserve.epp.envoy import envoy_bootstrap
 
     if args.envoy_config:
         picker_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host  # noqa: S104
+        ca = str(args.cert_path.resolve() / CERT_FILE) if args.cert_path is not None else None
         bootstrap = envoy_bootstrap(listen_port=args.gateway_port, picker_host=picker_host, picker_port=args.port,
-                                    max_request_bytes=config.max_body_bytes, body_mode=args.body_mode)  # fmt: skip
+                                    max_request_bytes=config.max_body_bytes, body_mode=args.body_mode,
+                                    picker_tls=args.secure_serving, picker_ca=ca)  # fmt: skip
         Path(args.envoy_config).write_text(json.dumps(bootstrap, indent=2) + "\n")
         print(f"wrote {args.envoy_config}: run `envoy -c {args.envoy_config}` beside `coserve epp`")
         return EXIT_OK
@@ -250,8 +276,14 @@ def _cmd_epp(args: argparse.Namespace) -> int:
 
     # NOTE: on uvloop the picker spends a fifth less CPU per request than on asyncio's own loop (profiled at
     # 200 requests/s behind Envoy); most of the rest is gRPC's own machinery.
+    from coserve.epp.tls import CertificateError
+
+    serving = {"health_port": args.health_port or None, "secure": args.secure_serving, "cert_dir": args.cert_path}
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(config, args.host, args.port, args.metrics_port or None))
+        try:
+            runner.run(serve(config, args.host, args.port, args.metrics_port or None, **serving))
+        except CertificateError as error:
+            raise InvalidInput([Problem("--cert-path", str(error))]) from None
     return EXIT_OK
 
 

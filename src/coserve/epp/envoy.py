@@ -14,6 +14,9 @@ GKE) build the equivalent from an InferencePool; this is that configuration, sma
 - the picker fails closed (``failure_mode_allow: false``): when it is unreachable, or does not answer within
   ``message_timeout_s`` (turn 1's prefill happens inside its answer), Envoy refuses the request rather than
   sending it to an engine the picker did not choose;
+- ``picker_tls``: Envoy reaches the picker over TLS (``coserve epp --secure-serving``), checking its
+  certificate against ``picker_ca`` when given (a pair of your own, ``--cert-path``), else not checking it, as
+  GAIE's gateways reach a picker's self-signed certificate;
 - the engines' cluster is ``ORIGINAL_DST``: the upstream is the ``ip:port`` the picker put in
   ``x-gateway-destination-endpoint`` (``coserve.gaie``).
 
@@ -22,6 +25,7 @@ Pure: returns the configuration as data; the caller writes it (YAML or JSON; Env
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Literal
 
 from coserve.gaie import DESTINATION_HEADER
@@ -35,6 +39,7 @@ _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_man
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -52,13 +57,16 @@ def envoy_bootstrap(
     max_request_bytes: int = 8 * 1024 * 1024,
     body_mode: BodyMode = "full-duplex",
     idle_timeout_s: float = 300.0,
+    picker_tls: bool = False,
+    picker_ca: str | None = None,
 ) -> dict[str, Any]:
     """The bootstrap: clients on ``listen_host:listen_port``, the picker at ``picker_host:picker_port`` (a DNS
     name, such as the picker's Service, or an IP). ``max_request_bytes`` bounds a buffered request (the
     router's ``maxBodyBytes``); ``admin_port`` opens Envoy's admin on loopback (readiness, stats);
     ``body_mode``: how ext_proc sends bodies (module docstring); ``idle_timeout_s``:
     how long a request may go without a byte either way, which bounds a picker that does not answer in full
-    duplex mode (where Envoy runs no ``message_timeout``) and a stalled decode (0: unbounded)."""
+    duplex mode (where Envoy runs no ``message_timeout``) and a stalled decode (0: unbounded); ``picker_tls``,
+    ``picker_ca`` (a PEM file's path): TLS to the picker (module docstring)."""
     manager = _manager(message_timeout_s, body_mode, idle_timeout_s)
     listener = {
         "name": "gateway",
@@ -66,7 +74,10 @@ def envoy_bootstrap(
         "per_connection_buffer_limit_bytes": max_request_bytes,
         "filter_chains": [{"filters": [{"name": _HCM_NAME, "typed_config": manager}]}],
     }
-    clusters = [_picker_cluster(picker_host, picker_port), _engines_cluster(max_request_bytes)]
+    picker = _picker_cluster(picker_host, picker_port)
+    if picker_tls:
+        picker["transport_socket"] = _picker_tls(picker_host, picker_ca)
+    clusters = [picker, _engines_cluster(max_request_bytes)]
     bootstrap: dict[str, Any] = {"static_resources": {"listeners": [listener], "clusters": clusters}}
     if admin_port is not None:
         bootstrap["admin"] = {"address": _address("127.0.0.1", admin_port)}
@@ -146,6 +157,26 @@ def _picker_cluster(host: str, port: int) -> dict[str, Any]:
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}],
         },
     }
+
+
+def _picker_tls(host: str, ca_file: str | None) -> dict[str, Any]:
+    """TLS to the picker, offering HTTP/2 (gRPC): the certificate checked against ``ca_file`` (and the name
+    against ``host``), or, without one, taken as it comes (a picker's self-signed certificate)."""
+    try:
+        ipaddress.ip_address(host)
+        san_type = "IP_ADDRESS"
+    except ValueError:
+        san_type = "DNS"
+    context: dict[str, Any] = {"alpn_protocols": ["h2"]}
+    if ca_file is not None:
+        context["validation_context"] = {
+            "trusted_ca": {"filename": ca_file},
+            "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": host}}],
+        }
+    tls: dict[str, Any] = {"@type": _UPSTREAM_TLS, "common_tls_context": context}
+    if san_type == "DNS":  # server name indication carries names, never addresses
+        tls["sni"] = host
+    return {"name": "envoy.transport_sockets.tls", "typed_config": tls}
 
 
 def _engines_cluster(max_request_bytes: int) -> dict[str, Any]:

@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -47,6 +48,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 from starlette.responses import Response
 
+from coserve.epp.tls import server_credentials
 from coserve.gaie import DESTINATION_HEADER, HEALTH_SERVICES, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 from coserve.router import fastjson
 from coserve.router.admission import Admitted, admit, error_response
@@ -57,7 +59,7 @@ from coserve.router.policy import EngineLoad
 from coserve.router.routes import HOT_PATHS
 from coserve.router.upstream import CONVERSATION_HEADER, Unavailable, output_tokens
 
-__all__ = ["EndpointPicker", "serve"]
+__all__ = ["EndpointPicker", "listen", "serve"]
 
 logger = logging.getLogger("coserve.epp")
 
@@ -319,26 +321,57 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[m
             exchange.done()
 
 
-async def serve(config: RouterConfig, host: str, port: int, metrics_port: int | None = None) -> None:
+async def serve(
+    config: RouterConfig,
+    host: str,
+    port: int,
+    metrics_port: int | None = None,
+    *,
+    health_port: int | None = None,
+    secure: bool = False,
+    cert_dir: Path | None = None,
+) -> None:
     """Run the picker until cancelled: the router's state (engines polled, pins), the ext_proc service, gRPC
-    health, and the router's metrics on ``metrics_port``. The router's state is closed however it ends."""
+    health, and the router's metrics on ``metrics_port``. The router's state is closed however it ends.
+
+    ``secure``: ext_proc over TLS (``coserve.epp.tls``: ``cert_dir``'s pair, or a self-signed one), as GAIE's
+    pickers serve it; ``health_port``: gRPC health in cleartext as well (the kubelet's gRPC probes speak no
+    TLS), as GAIE's pickers serve it on 9003. The certificate is checked before anything starts."""
+    credentials = server_credentials(cert_dir) if secure else None
     router = Router(config.model_copy(update={"batch_dir": None}))  # batches are the router's, not the picker's
     await router.start()
     try:
-        await _serve_grpc(router, host, port, metrics_port)
+        await _serve_grpc(router, (host, port, metrics_port, health_port), credentials)
     finally:
         await router.close()
 
 
-async def _serve_grpc(router: Router, host: str, port: int, metrics_port: int | None) -> None:
+def listen(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind ``server`` to ``host:port``, over TLS with ``credentials``, else cleartext HTTP/2; the port bound."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if not bound:
+        raise OSError(f"cannot listen on {address}")
+    return int(bound)
+
+
+async def _serve_grpc(
+    router: Router, ports: tuple[str, int, int | None, int | None], credentials: grpc.ServerCredentials | None
+) -> None:
+    host, port, metrics_port, health_port = ports
     server = grpc.aio.server(options=SERVER_OPTIONS)
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if not bound:
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
+    listen(server, host, port, credentials)
+    servers = [server]
+    if health_port:  # the same health states, in cleartext, on a server of their own (never ext_proc)
+        probes = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(checks, probes)
+        listen(probes, host, health_port, None)
+        servers.append(probes)
+    for each in servers:
+        await each.start()
     try:
         for service in HEALTH_SERVICES:  # serving once the engines were read (router.start)
             await checks.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -346,8 +379,9 @@ async def _serve_grpc(router: Router, host: str, port: int, metrics_port: int | 
             from prometheus_client import start_http_server
 
             start_http_server(metrics_port, addr=host, registry=router.metrics.registry)
-        logger.info("endpoint picker listening on %s:%d", host, port)
+        logger.info("endpoint picker listening on %s:%d (%s)", host, port, "TLS" if credentials else "cleartext")
         await server.wait_for_termination()
     finally:
-        with contextlib.suppress(Exception):
-            await server.stop(grace=1.0)
+        for each in servers:
+            with contextlib.suppress(Exception):
+                await each.stop(grace=1.0)

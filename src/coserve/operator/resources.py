@@ -57,7 +57,7 @@ from coserve.api.spec import (
     TopologySpreadConstraint,
 )
 from coserve.api.status import Plan
-from coserve.gaie import LIVENESS_SERVICE, PICKER_PORT, READINESS_SERVICE
+from coserve.gaie import HEALTH_PORT, LIVENESS_SERVICE, PICKER_PORT, READINESS_SERVICE
 from coserve.kv.handoff import Handoff, router_sends_transfer_params
 from coserve.scheduling.config import CONFIG_ENV
 
@@ -84,6 +84,7 @@ __all__ = [
     "NAME_LABEL",
     "NIXL_SIDE_CHANNEL_PORT",
     "OPTIONAL_CHILDREN",
+    "PICKER_CERT_PATH",
     "PICKER_METRICS_PORT",
     "PICKER_PORT",
     "RESTRICTED_CONTAINER_SECURITY",
@@ -169,7 +170,9 @@ NIXL_SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 # PICKER_METRICS_PORT. The router alone serves the batch API (ROUTER_ONLY_PATHS): the example HTTPRoute sends it there.
 PICKER_CONTAINER = "picker"
 PICKER_PORT_NAME = "grpc"
+PICKER_HEALTH_PORT_NAME = "grpc-health"
 PICKER_METRICS_PORT = 9090
+PICKER_CERT_PATH = "/etc/coserve/picker-tls"  # spec.gateway.pickerCertSecret's mount (no subPath: it rotates)
 METRICS_PORT_NAME = "metrics"
 ROUTER_ONLY_PATHS = ("/v1/files", "/v1/batches")
 
@@ -1112,8 +1115,9 @@ def _gateway_children(pool: CoServePool, digest: str, image: str) -> list[Manife
 
 
 def _grpc_probe(service: str, *, period_s: int, failure_threshold: int) -> Manifest:
+    """The kubelet's gRPC probe of the picker: on its cleartext health port (kubelet probes speak no TLS)."""
     return {
-        "grpc": {"port": PICKER_PORT, "service": service},
+        "grpc": {"port": HEALTH_PORT, "service": service},
         "periodSeconds": period_s,
         "failureThreshold": failure_threshold,
         "timeoutSeconds": 1,
@@ -1126,17 +1130,27 @@ def _picker_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
     It never calls the API server (pins live on the decoders), so its pods get no service account token.
     """
     options = pod_template_options(pool.spec, "router")
+    gateway = pool.spec.gateway
+    certificate: list[Manifest] = []  # spec.gateway.pickerCertSecret's volume, and its mount
+    certificate_mount: list[Manifest] = []
+    if gateway.picker_cert_secret:
+        certificate = [{"name": "picker-tls", "secret": {"secretName": gateway.picker_cert_secret}}]
+        certificate_mount = [{"name": "picker-tls", "mountPath": PICKER_CERT_PATH, "readOnly": True}]
     container = {
         "name": PICKER_CONTAINER,
         "image": image,
         "command": [
             *("coserve", "epp", "--config", ROUTER_CONFIG_PATH),
             *("--port", str(PICKER_PORT), "--metrics-port", str(PICKER_METRICS_PORT)),
+            *("--health-port", str(HEALTH_PORT)),
+            *(("--secure-serving",) if gateway.secure_serving else ()),
+            *(("--cert-path", PICKER_CERT_PATH) if certificate else ()),
         ],
         "env": [_token_env(), *options.env],
         "envFrom": options.env_from or None,
         "ports": [
             {"name": PICKER_PORT_NAME, "containerPort": PICKER_PORT, "protocol": "TCP"},
+            {"name": PICKER_HEALTH_PORT_NAME, "containerPort": HEALTH_PORT, "protocol": "TCP"},
             {"name": METRICS_PORT_NAME, "containerPort": PICKER_METRICS_PORT, "protocol": "TCP"},
         ],
         # gRPC health (GAIE's protocol): live once it serves, ready once it has read the engines
@@ -1145,7 +1159,7 @@ def _picker_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
         "readinessProbe": _grpc_probe(READINESS_SERVICE, period_s=5, failure_threshold=3),
         "resources": _resources(pool.spec.gateway.picker_resources),
         "securityContext": _control_plane_security(options),
-        "volumeMounts": [_config_mount(), _TMP_MOUNT, _token_mount(), *options.volume_mounts],
+        "volumeMounts": [_config_mount(), _TMP_MOUNT, _token_mount(), *certificate_mount, *options.volume_mounts],
     }
     pod_spec = {
         "automountServiceAccountToken": False,
@@ -1155,7 +1169,13 @@ def _picker_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
             {**RESTRICTED_POD_SECURITY, "runAsUser": ROUTER_USER_ID}, options.pod_security_context
         ),
         "containers": [container],
-        "volumes": [_config_volume(pool), {"name": "tmp", "emptyDir": {}}, _token_volume(pool), *options.volumes],
+        "volumes": [
+            _config_volume(pool),
+            {"name": "tmp", "emptyDir": {}},
+            _token_volume(pool),
+            *certificate,
+            *options.volumes,
+        ],
         "topologySpreadConstraints": _spread(pool.metadata.name, "picker", options.topology_spread_constraints),
     }
     annotations = {
@@ -1168,10 +1188,12 @@ def _picker_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
 
 
 def _picker_service(pool: CoServePool) -> Manifest:
-    """What the InferencePool's endpointPickerRef names: ext_proc over HTTP/2 without TLS, and the metrics."""
+    """What the InferencePool's endpointPickerRef names: ext_proc over HTTP/2, in TLS (``http2``, as GAIE's own
+    picker Service says) or cleartext (``kubernetes.io/h2c``), and the metrics."""
+    protocol = "http2" if pool.spec.gateway.secure_serving else "kubernetes.io/h2c"
     ports = [
         {"name": PICKER_PORT_NAME, "port": PICKER_PORT, "targetPort": PICKER_PORT, "protocol": "TCP",
-         "appProtocol": "kubernetes.io/h2c"},
+         "appProtocol": protocol},
         {"name": METRICS_PORT_NAME, "port": PICKER_METRICS_PORT, "targetPort": PICKER_METRICS_PORT, "protocol": "TCP"},
     ]  # fmt: skip
     return _service(pool, "picker", {"type": "ClusterIP", "ports": ports})

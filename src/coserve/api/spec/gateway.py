@@ -10,9 +10,12 @@ API and clients that call it directly.
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Self
+
+from pydantic import ConfigDict, Field, model_validator
 
 from coserve.api._base import ApiModel
+from coserve.api.spec._rules import _cel, _fail
 from coserve.api.spec.core import DNS_LABEL_PATTERN, DNS_SUBDOMAIN_PATTERN, ResourceRequirements
 from coserve.api.spec.engine import ScraperPeer
 
@@ -20,8 +23,17 @@ from coserve.api.spec.engine import ScraperPeer
 GATEWAY_DURATION_PATTERN = r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"
 
 
+_CERT_NEEDS_TLS = (
+    "!has(self.pickerCertSecret) || !has(self.secureServing) || self.secureServing",
+    "pickerCertSecret is served only with secureServing",
+    ".pickerCertSecret",
+)
+
+
 class GatewaySpec(ApiModel):
     """Gateway mode: an InferencePool and coserve's endpoint picker, for a Gateway API Inference Extension gateway."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(_CERT_NEEDS_TLS))
 
     enabled: bool = Field(
         default=False,
@@ -72,6 +84,23 @@ class GatewaySpec(ApiModel):
         ),
         description="pickerResources are the endpoint picker container's resources.",
     )
+    secure_serving: bool = Field(
+        default=True,
+        description="secureServing serves the picker's ext_proc over TLS, as GAIE's endpoint pickers do: gateways "
+        "that follow GAIE's charts connect to a picker over TLS without checking its certificate (NGINX Gateway "
+        "Fabric by default, Istio with the chart's DestinationRule). The certificate is pickerCertSecret's, else "
+        "a self-signed one made at start. false: cleartext HTTP/2 (the Service's appProtocol says "
+        "kubernetes.io/h2c), for gateways configured so. Health probes use a cleartext port either way.",
+    )
+    picker_cert_secret: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="pickerCertSecret names a kubernetes.io/tls Secret (tls.crt, tls.key) in the pool's "
+        "namespace whose certificate the picker serves, for gateways that check it (cert-manager's, say). The "
+        "picker reads it again on each new connection, so a renewed Secret is served without a restart.",
+    )
     proxies: list[ScraperPeer] = Field(
         default_factory=list,
         max_length=16,
@@ -80,3 +109,9 @@ class GatewaySpec(ApiModel):
         "controller decides where its proxies run). Engines trust a request's priority class only with the "
         "pool's router token, which the picker adds.",
     )
+
+    @model_validator(mode="after")
+    def _cert_needs_tls(self) -> Self:
+        if self.picker_cert_secret is not None and not self.secure_serving:
+            _fail([(("pickerCertSecret",), _CERT_NEEDS_TLS[1], self.picker_cert_secret)])
+        return self
