@@ -13,6 +13,7 @@ InferencePool, never True.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import pytest
 import yaml
 from e2e_cluster import (
     EXAMPLE,
+    LEASE,
     RESYNC_S,
     Kubectl,
     Operator,
@@ -128,8 +130,17 @@ def test_the_gateway_children_as_the_server_stores_them_are_not_rewritten(kubect
     wait_until(lambda: all(get_json(kubectl, namespace, k, n) for k, n in GATEWAY_CHILDREN), "gateway children", 120)
     time.sleep(2 * RESYNC_S)  # let the creation's own follow-ups settle
     before = _versions(kubectl, namespace)
+    lease_before = _renewed(kubectl, namespace)
     time.sleep(3 * RESYNC_S + 1)  # three resyncs, each a full reconcile of the pool
     assert _versions(kubectl, namespace) == before, "a converged gateway child was written to"
+    if os.environ.get("E2E_OPERATOR_IN_CLUSTER") != "1":
+        # the window was not vacuous: the operator was alive and acting (it renewed its Lease meanwhile)
+        assert _renewed(kubectl, namespace) != lease_before
+
+
+def _renewed(kubectl: Kubectl, namespace: str) -> Any:
+    """When this module's operator last renewed its Lease (in the module's namespace)."""
+    return (get_json(kubectl, namespace, "lease", LEASE) or {}).get("spec", {}).get("renewTime")
 
 
 def test_a_hand_edit_of_the_inference_pool_is_put_back(kubectl: Kubectl, gateway_pool: str) -> None:

@@ -26,7 +26,9 @@ configuration ``coserve.epp.envoy`` writes have it:
 4. the stream's end: the decoder's ledger entry is closed (the turn-1 prefill-site choice reads the ledger).
 
 The picker keeps pins as the router does: in memory, and on the decoders, which every replica (router or
-picker) asks about a conversation it holds no pin for.
+picker) asks about a conversation it holds no pin for. It serves ext_proc in cleartext HTTP/2 or, with
+``secure``, over TLS (``coserve.epp.tls``), and its gRPC health on that port and, in cleartext, on a port of
+its own for the kubelet's probes.
 """
 
 from __future__ import annotations
