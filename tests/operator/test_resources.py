@@ -1033,9 +1033,10 @@ def test_the_operators_own_names_are_the_ones_the_api_refuses() -> None:
         model={"name": "Qwen/Qwen3-8B", "hfTokenSecretRef": {"name": "hf"}, "cache": {"size": "1Ti"}},
         engine=GPU_ENGINE,
         kvOffload={"enabled": True, "backend": "lmcache"},
+        gateway={"enabled": True, "pickerCertSecret": "picker-cert"},  # the picker, its certificate mounted
     )
     children = render(document)
-    for component in ("prefiller", "decoder", "router"):
+    for component in ("prefiller", "decoder", "router", "picker"):
         template = pod_template(children, component)
         containers = template["spec"]["containers"] + template["spec"].get("initContainers", [])
         for item in (env for c in containers for env in c.get("env", [])):

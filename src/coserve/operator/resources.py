@@ -172,7 +172,10 @@ PICKER_CONTAINER = "picker"
 PICKER_PORT_NAME = "grpc"
 PICKER_HEALTH_PORT_NAME = "grpc-health"
 PICKER_METRICS_PORT = 9090
-PICKER_CERT_PATH = "/etc/coserve/picker-tls"  # spec.gateway.pickerCertSecret's mount (no subPath: it rotates)
+# spec.gateway.pickerCertSecret's volume and mount: whole (no subPath: it rotates), beside the config's mount
+# rather than inside it (a mount point inside a read-only configMap volume cannot be made)
+PICKER_CERT_VOLUME = "picker-tls"
+PICKER_CERT_PATH = "/etc/coserve-picker-tls"
 METRICS_PORT_NAME = "metrics"
 ROUTER_ONLY_PATHS = ("/v1/files", "/v1/batches")
 
@@ -1134,8 +1137,8 @@ def _picker_deployment(pool: CoServePool, digest: str, image: str) -> Manifest:
     certificate: list[Manifest] = []  # spec.gateway.pickerCertSecret's volume, and its mount
     certificate_mount: list[Manifest] = []
     if gateway.picker_cert_secret:
-        certificate = [{"name": "picker-tls", "secret": {"secretName": gateway.picker_cert_secret}}]
-        certificate_mount = [{"name": "picker-tls", "mountPath": PICKER_CERT_PATH, "readOnly": True}]
+        certificate = [{"name": PICKER_CERT_VOLUME, "secret": {"secretName": gateway.picker_cert_secret}}]
+        certificate_mount = [{"name": PICKER_CERT_VOLUME, "mountPath": PICKER_CERT_PATH, "readOnly": True}]
     container = {
         "name": PICKER_CONTAINER,
         "image": image,

@@ -8,7 +8,7 @@ refuse extraArgs that set a vLLM flag of ``OPERATOR_ENGINE_FLAGS`` (a pydantic c
 
 from __future__ import annotations
 
-OPERATOR_VOLUMES = ("config", "dshm", "router-token", "tmp", "batches", "model-cache")
+OPERATOR_VOLUMES = ("config", "dshm", "router-token", "tmp", "batches", "model-cache", "picker-tls")
 OPERATOR_ENV_PREFIX = "COSERVE_"
 OPERATOR_ENV_NAMES = ("VLLM_PLUGINS", "POD_NAMESPACE", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
 HF_TOKEN_ENV = "HF_TOKEN"  # noqa: S105 - a variable's name, not a secret
@@ -19,7 +19,7 @@ OPERATOR_LABELS = (
     "app.kubernetes.io/managed-by",
     "coserve.dev/role",
 )
-OPERATOR_MOUNT_PATHS = ("/etc/coserve", "/etc/coserve-token", "/dev/shm")  # noqa: S108 - paths in the pod
+OPERATOR_MOUNT_PATHS = ("/etc/coserve", "/etc/coserve-token", "/etc/coserve-picker-tls", "/dev/shm")  # noqa: S108
 ROUTER_MOUNT_PATHS = ("/tmp", "/var/lib/coserve/batches")  # noqa: S108 - paths in the pod
 
 # The vLLM server flags coserve.operator.resources.engine_args renders for every engine, in its order: flag -> what
