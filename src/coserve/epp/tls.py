@@ -76,42 +76,58 @@ def _general_name(host: str) -> x509.GeneralName:
 def load_pair(directory: Path) -> Pair:
     """``directory``'s ``tls.key`` and ``tls.crt``, checked: both PEM, the key unencrypted and the
     certificate's own. Raises ``CertificateError`` naming the file and what is wrong."""
-    files = {name: directory / name for name in (KEY_FILE, CERT_FILE)}
+    pair = _read_pair(directory)
+    _check_pair(directory, pair)
+    return pair
+
+
+def _read_pair(directory: Path) -> Pair:
     try:
-        key_pem, cert_pem = (files[name].read_bytes() for name in (KEY_FILE, CERT_FILE))
+        return (directory / KEY_FILE).read_bytes(), (directory / CERT_FILE).read_bytes()
     except OSError as error:
         raise CertificateError(f"{error.filename}: {error.strerror}") from error
+
+
+def _check_pair(directory: Path, pair: Pair) -> None:
+    key_file, cert_file = directory / KEY_FILE, directory / CERT_FILE
     try:
-        certificate = x509.load_pem_x509_certificate(cert_pem)
+        certificate = x509.load_pem_x509_certificate(pair[1])
     except ValueError as error:
-        raise CertificateError(f"{files[CERT_FILE]}: not a PEM certificate ({error})") from error
+        raise CertificateError(f"{cert_file}: not a PEM certificate ({error})") from error
     try:
-        key = serialization.load_pem_private_key(key_pem, password=None)
+        key = serialization.load_pem_private_key(pair[0], password=None)
     except (ValueError, TypeError) as error:
-        raise CertificateError(f"{files[KEY_FILE]}: not an unencrypted PEM private key ({error})") from error
+        raise CertificateError(f"{key_file}: not an unencrypted PEM private key ({error})") from error
     public = serialization.PublicFormat.SubjectPublicKeyInfo
     if key.public_key().public_bytes(serialization.Encoding.PEM, public) != certificate.public_key().public_bytes(
         serialization.Encoding.PEM, public
     ):
-        raise CertificateError(f"{files[KEY_FILE]}: not the key of {files[CERT_FILE]}")
-    return key_pem, cert_pem
+        raise CertificateError(f"{key_file}: not the key of {cert_file}")
 
 
 class _Rotating:
     """gRPC's certificate fetcher for a mounted directory: called before each new connection's handshake; a
-    new configuration when the files changed and load, else None (the last one stays)."""
+    new configuration when the files changed and load, else None (the last one stays). Unchanged bytes are
+    not parsed again, and a pair that does not load is warned about once."""
 
     def __init__(self, directory: Path, pair: Pair) -> None:
         self.directory = directory
         self.pair = pair
+        self.refused: Pair | None = None
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
         try:
-            pair = load_pair(self.directory)
-        except CertificateError as error:
+            pair = _read_pair(self.directory)
+        except CertificateError as error:  # files caught mid-swap, or gone
             logger.warning("endpoint picker: serving the last good certificate; the new one does not load: %s", error)
             return None
-        if pair == self.pair:
+        if pair in (self.pair, self.refused):
+            return None
+        try:
+            _check_pair(self.directory, pair)
+        except CertificateError as error:
+            self.refused = pair
+            logger.warning("endpoint picker: serving the last good certificate; the new one does not load: %s", error)
             return None
         self.pair = pair
         logger.info("endpoint picker: serving the new certificate in %s", self.directory)
