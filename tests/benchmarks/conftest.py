@@ -71,6 +71,18 @@ def ttfet() -> Iterator[ModuleType]:
 
 
 @pytest.fixture(scope="module")
+def harness_provisioned() -> Iterator[ModuleType]:
+    """benchmarks/harness/provisioned.py: the load the plan provisions a local pool's engines for."""
+    yield from _script("harness.provisioned")
+
+
+@pytest.fixture(scope="module")
+def harness_runs() -> Iterator[ModuleType]:
+    """benchmarks/harness/runs.py: a sweep's finished runs, kept so that it resumes."""
+    yield from _script("harness.runs")
+
+
+@pytest.fixture(scope="module")
 def harness_pool() -> Iterator[ModuleType]:
     """benchmarks/harness/pool.py: the local P/D pool and the coserve router as the benchmarks start it."""
     yield from _script("harness.pool")

@@ -147,3 +147,19 @@ def test_a_load_is_judged_against_the_mean_of_its_two_runs(fidelity: ModuleType)
     assert fidelity.mean_figures(first, second) == {
         "ttft_p50_s": pytest.approx(0.25), "ttft_p95_s": None, "preemptions": 5.0, "requests": 200,
     }  # fmt: skip
+
+
+def test_a_load_of_several_runs_is_judged_against_their_mean_and_spread(fidelity: ModuleType) -> None:
+    """Three runs: the mean of all three, and the spread as the largest over the smallest (a run without the
+    figure gives no spread); a result from before, with one repeat stored as a dict, still reads."""
+    runs = [{"ttft_p95_s": 1.0, "preemptions": 0.0}, {"ttft_p95_s": 1.5, "preemptions": 3.0},
+            {"ttft_p95_s": 1.2, "preemptions": 6.0}]  # fmt: skip
+    assert fidelity.mean_figures(*runs)["ttft_p95_s"] == pytest.approx(3.7 / 3)
+    assert fidelity.spread(runs, "ttft_p95_s") == pytest.approx(0.5)
+    assert fidelity.spread(runs, "preemptions") is None  # a zero has no ratio
+    assert fidelity.spread(runs[:1], "ttft_p95_s") is None  # one run has no spread
+    old = {"measured_again": {"ttft_p95_s": 1.5}, "step_time_bias": {"served_fit_again": 0.02}}
+    assert fidelity.again_of(old) == [{"ttft_p95_s": 1.5}] and fidelity.biases_again(old) == [0.02]
+    new = {"measured_again": [{"ttft_p95_s": 1.5}, {"ttft_p95_s": 1.2}],
+           "step_time_bias": {"served_fit_again": [0.1, 0.2]}}  # fmt: skip
+    assert len(fidelity.again_of(new)) == 2 and fidelity.biases_again(new) == [0.1, 0.2]

@@ -1,13 +1,21 @@
-"""The ttfet benchmark's judgement: vllm-router's best policy and the ratios against it; its command lines."""
+"""The ttfet benchmark's judgement (vllm-router's best policy, the ratios and their targets at each load), its
+arms' fronts (coserve's router configurations, vllm-router's command lines), the sweep's order and its store of
+finished runs, and the load the plan provisions the engines for."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
+from coserve.router.config import parse_router_config
+
 
 def arm(p95: float | None, computed: float = 1000.0) -> dict[str, Any]:
-    return {"ttfet_p95_s": p95, "decoder_computed_prompt_tokens": computed}
+    return {"ttfet_p95_s": p95, "computed_prompt_tokens": computed}
 
 
 def test_vllm_routers_best_policy_is_its_lowest_p95_among_those_with_one(ttfet: ModuleType) -> None:
@@ -16,12 +24,6 @@ def test_vllm_routers_best_policy_is_its_lowest_p95_among_those_with_one(ttfet: 
     assert ttfet.best_peer(peers) == "vllm-router consistent_hash"  # the first of a tie
     assert ttfet.best_peer({"vllm-router cache_aware": arm(None)}) is None
     assert ttfet.best_peer({}) is None
-
-
-def test_the_ratios_are_the_baselines_over_ours(ttfet: ModuleType) -> None:
-    p95, recompute = ttfet.ratios(arm(20.0, 500.0), arm(26.0, 1000.0))
-    assert abs(p95 - 1.3) < 1e-9 and recompute == 2.0
-    assert ttfet.ratios(arm(20.0), arm(None))[0] is None  # too few conversations for a p95
 
 
 def test_vllm_router_runs_over_the_decoders_or_in_its_pd_mode(ttfet: ModuleType) -> None:
@@ -55,3 +57,130 @@ def test_the_gateway_is_judged_within_5_percent_and_within_the_routers_own_sprea
     assert not worse["met"] and not worse["within_router_spread"]
     once = ttfet.gateway_verdict(results(1.0, [10.0]))  # one run has no spread to judge by
     assert once["met"] and once["router_run_spread"] is None and not once["within_router_spread"]
+
+
+def measured(ttfet: ModuleType, scale: float, peer: bool = False) -> dict[str, Any]:
+    """An arm measured at ``scale`` times the samples 1..120 (p95 114 * scale)."""
+    return ttfet.arm_result([scale * i for i in range(1, 121)], 1000.0) | {"peer": peer}
+
+
+def test_the_targets_differ_by_load_and_each_ratio_has_an_interval(ttfet: ModuleType) -> None:
+    """At the provisioned load vllm-router's best must be 1.3x coserve's p95; at 1.5x, no better than it."""
+    arms = {ttfet.CONVERSATION: measured(ttfet, 1.0), ttfet.PER_TURN: measured(ttfet, 1.1),
+            ttfet.PER_REQUEST: measured(ttfet, 1.0), "vllm-router consistent_hash": measured(ttfet, 1.2, peer=True),
+            "vllm-router round_robin": measured(ttfet, 2.0, peer=True)}  # fmt: skip
+    provisioned = ttfet.judge_load(arms, "provisioned")
+    assert provisioned["vllm_router_best"] == "vllm-router consistent_hash"
+    assert not provisioned["vs_vllm_router_met"]  # 1.2 < 1.3
+    assert provisioned["vs_baselines_met"]  # per request ties: never worse
+    over = ttfet.judge_load(arms, "1.5x")
+    assert over["vs_vllm_router_met"]  # 1.2 >= 1
+    low, high = over["comparisons"]["vllm-router consistent_hash"]["ci95"]
+    assert low <= 1.2 <= high
+    arms[ttfet.PER_TURN] = measured(ttfet, 0.9)
+    assert not ttfet.judge_load(arms, "1.5x")["vs_baselines_met"]  # per-turn placement beat conversation's
+
+
+def test_an_arm_that_failed_is_never_the_best_and_has_no_ratio(ttfet: ModuleType) -> None:
+    failed = ttfet.arm_result([], None) | {"peer": True, "error": "vllm-router exited (2)"}
+    arms = {ttfet.CONVERSATION: measured(ttfet, 1.0), ttfet.PER_TURN: measured(ttfet, 1.0),
+            ttfet.PER_REQUEST: measured(ttfet, 1.0), "vllm-router program scheduling": failed}  # fmt: skip
+    verdict = ttfet.judge_load(arms, "provisioned")
+    assert verdict["vllm_router_best"] is None and not verdict["vs_vllm_router_met"]
+    assert verdict["comparisons"]["vllm-router program scheduling"] == {"p95_ratio_over_conversation": None,
+                                                                        "ci95": None}  # fmt: skip
+
+
+def test_the_sweep_covers_vllm_routers_policies_its_program_scheduling_and_pd_mode(ttfet: ModuleType) -> None:
+    defaults = ttfet.argparse.Namespace(peer_policies=list(ttfet.PEER_POLICIES), no_peer_pd=False,
+                                        no_peer_program=False)  # fmt: skip
+    arms = ttfet.arms_of(defaults)
+    assert {a.policy for a in arms if a.peer and not (a.pd or a.program)} == {
+        "round_robin", "consistent_hash", "cache_aware", "power_of_two", "sticky_least_loaded"}  # fmt: skip
+    assert [a.placement for a in arms if not a.peer] == ["conversation", "turn", "request"]
+    assert sum(a.pd for a in arms) == 1 and sum(a.program for a in arms) == 1
+    fewer = ttfet.arms_of(ttfet.argparse.Namespace(peer_policies=[], no_peer_pd=True, no_peer_program=True))
+    assert [a.name for a in fewer] == [ttfet.CONVERSATION, ttfet.PER_TURN, ttfet.PER_REQUEST]
+
+
+def test_every_run_is_in_the_sweep_once_and_the_order_rotates(ttfet: ModuleType) -> None:
+    arms = [ttfet.Arm("a", "conversation"), ttfet.Arm("b", "turn"), ttfet.Arm("c", policy="round_robin")]
+    order = ttfet.sweep_order(arms, 3)
+    keys = [(arm.name, load, repetition) for repetition, load, arm in order]
+    assert len(keys) == len(set(keys)) == 3 * len(ttfet.LOADS) * 3
+    firsts = [arm.name for repetition, load, arm in order if load == "provisioned"][::3]
+    assert firsts == ["a", "b", "c"]  # each repetition starts with the next arm
+
+
+CURVE = {"constantS": 0.1, "perTokenS": 0.001, "perTokenSquaredS": 0.0}
+
+
+def test_coserves_arms_run_on_all_three_engines_in_the_shape_each_takes(ttfet: ModuleType, tmp_path: Path) -> None:
+    """Conversation placement in the plan's shape (aggregated: three engines prefill their own; P/D: the
+    prefiller and two decoders), per-turn in P/D, per-request over all three; each a configuration the router
+    accepts, with the profile's prefill curve."""
+    pool = ttfet.PDPool(["http://p"], ["http://d0", "http://d1"], tmp_path)
+    every = ["http://p", "http://d0", "http://d1"]
+    aggregated = ttfet.coserve_config(ttfet.Arm(ttfet.CONVERSATION, "conversation"), pool, True, CURVE)
+    assert "prefillers" not in aggregated and aggregated["decoders"] == every
+    assert "kvTransferParams" not in aggregated and aggregated["prefillLatency"] == CURVE
+    disaggregated = ttfet.coserve_config(ttfet.Arm(ttfet.CONVERSATION, "conversation"), pool, False, CURVE)
+    assert disaggregated["prefillers"] == ["http://p"] and disaggregated["decoders"] == ["http://d0", "http://d1"]
+    per_turn = ttfet.coserve_config(ttfet.Arm(ttfet.PER_TURN, "turn"), pool, True, CURVE)
+    assert per_turn["prefillers"] == ["http://p"] and per_turn["placement"] == "turn"
+    per_request = ttfet.coserve_config(ttfet.Arm(ttfet.PER_REQUEST, "request"), pool, False, CURVE)
+    assert "prefillers" not in per_request and per_request["decoders"] == every
+    for config in (aggregated, disaggregated, per_turn, per_request):
+        parsed = parse_router_config(json.loads(json.dumps(config)))
+        assert parsed.prefill_latency is not None
+
+
+def test_the_plan_provisions_at_most_the_engines_there_are_at_the_load_and_more_above_it(
+    harness_provisioned: ModuleType,
+) -> None:
+    profile = harness_provisioned.cached_profile(Path(__file__).resolve().parents[2] / "examples/profile.yaml")
+    work = {"input_tokens": 512, "output_tokens": 48, "turns": 3, "appended_tokens": 80, "idle_s": 1.0,
+            "lifetime_s": 3.0}  # fmt: skip
+    classes = [{"name": "interactive", "weight": 10, "ttftSloMs": 10000, "tpotSloMs": 2000}]
+    rate, plan = harness_provisioned.provisioned_rate(work, classes, profile, 3)
+    assert harness_provisioned.engines_of(plan) <= 3
+    above = harness_provisioned.plan_for(harness_provisioned.pool_spec(work, rate * 1.01, classes), profile)
+    assert harness_provisioned.engines_of(above) > 3
+    slower, _ = harness_provisioned.provisioned_rate(work, classes, harness_provisioned.derated(profile, 4.0), 3)
+    assert slower < rate / 2  # engines four times slower sustain a lower rate
+
+
+def test_a_derated_profile_takes_every_time_longer(harness_provisioned: ModuleType) -> None:
+    profile = harness_provisioned.cached_profile(Path(__file__).resolve().parents[2] / "examples/profile.yaml")
+    slower = harness_provisioned.derated(profile, 2.0)
+    assert slower.prefill_latency.per_token_s == 2 * profile.prefill_latency.per_token_s
+    assert slower.prefill_latency.constant_s == 2 * profile.prefill_latency.constant_s
+    if profile.decode_throughput_tokens_per_s is not None:
+        assert slower.decode_throughput_tokens_per_s == profile.decode_throughput_tokens_per_s / 2
+    for key, value in (profile.cost_model or {}).items():
+        if key.startswith("k"):
+            assert slower.cost_model[key] == 2 * value
+
+
+def test_a_stopped_sweep_resumes_with_its_runs_and_only_with_its_setup_and_code(
+    harness_runs: ModuleType, tmp_path: Path
+) -> None:
+    path = tmp_path / "ttfet.json"
+    store = harness_runs.RunStore("ttfet", {"conversations": 40}, path=path)
+    store.remember(loads={"provisioned": 0.5})
+    store.add({"arm": "a", "load": "provisioned", "repetition": 0, "ttfet_s": [1.0]})
+    again = harness_runs.RunStore("ttfet", {"conversations": 40}, path=path)
+    assert again.has("a", "provisioned", 0) and not again.has("a", "provisioned", 1)
+    assert again.facts == {"loads": {"provisioned": 0.5}}
+    assert not again.complete([("a", "provisioned", 0), ("a", "provisioned", 1)])
+    with pytest.raises(harness_runs.StoreMismatch, match="another setup"):
+        harness_runs.RunStore("ttfet", {"conversations": 100}, path=path)
+    document = json.loads(path.read_text())
+    document["code"]["benchmarks/ttfet.py"] = "an older fingerprint"
+    path.write_text(json.dumps(document))
+    with pytest.raises(harness_runs.StoreMismatch, match=r"other code \(benchmarks/ttfet.py"):
+        harness_runs.RunStore("ttfet", {"conversations": 40}, path=path)
+    fresh = harness_runs.RunStore("ttfet", {"conversations": 40}, path=path, fresh=True)
+    assert fresh.runs == [] and fresh.facts == {}
+    fresh.discard()
+    assert not path.exists()
