@@ -669,7 +669,7 @@ def mean_figures(first: dict[str, Any], *others: dict[str, Any]) -> dict[str, An
     }  # fmt: skip
 
 
-def spread(runs: Sequence[dict[str, Any]], figure: str) -> float | None:
+def run_spread(runs: Sequence[dict[str, Any]], figure: str) -> float | None:
     """How far runs' ``figure`` spread: the largest over the smallest, minus 1 (``None`` without two positive)."""
     values = [run[figure] for run in runs if isinstance(run.get(figure), int | float) and run[figure] > 0]
     return max(values) / min(values) - 1.0 if len(values) >= 2 and len(values) == len(runs) else None
@@ -718,7 +718,8 @@ def judge_engine_rung(measured: dict[str, Any], profile: dict[str, Any]) -> dict
             row["measured_mean"] = short(mine)
             row["runs"] = 1 + len(others)
             row["step_time_bias"]["served_fit_again"] = [round(step_bias(timing, served_steps(o)), 4) for o in again]
-            row["repeatability"] = {figure: spread([first, *others], figure) for figure in (*FIGURES, "preemptions")}
+            every = [first, *others]
+            row["repeatability"] = {figure: run_spread(every, figure) for figure in (*FIGURES, "preemptions")}
             slower = twin_figures(run, config, kv_capacity, scaled(timing, SENSITIVITY_STEP_FACTOR), api)
             row["sensitivity"] = {
                 figure: slower[figure] / twin[figure] - 1.0 if twin.get(figure) and slower.get(figure) else None

@@ -155,9 +155,9 @@ def test_a_load_of_several_runs_is_judged_against_their_mean_and_spread(fidelity
     runs = [{"ttft_p95_s": 1.0, "preemptions": 0.0}, {"ttft_p95_s": 1.5, "preemptions": 3.0},
             {"ttft_p95_s": 1.2, "preemptions": 6.0}]  # fmt: skip
     assert fidelity.mean_figures(*runs)["ttft_p95_s"] == pytest.approx(3.7 / 3)
-    assert fidelity.spread(runs, "ttft_p95_s") == pytest.approx(0.5)
-    assert fidelity.spread(runs, "preemptions") is None  # a zero has no ratio
-    assert fidelity.spread(runs[:1], "ttft_p95_s") is None  # one run has no spread
+    assert fidelity.run_spread(runs, "ttft_p95_s") == pytest.approx(0.5)
+    assert fidelity.run_spread(runs, "preemptions") is None  # a zero has no ratio
+    assert fidelity.run_spread(runs[:1], "ttft_p95_s") is None  # one run has no spread
     old = {"measured_again": {"ttft_p95_s": 1.5}, "step_time_bias": {"served_fit_again": 0.02}}
     assert fidelity.again_of(old) == [{"ttft_p95_s": 1.5}] and fidelity.biases_again(old) == [0.02]
     new = {"measured_again": [{"ttft_p95_s": 1.5}, {"ttft_p95_s": 1.2}],
