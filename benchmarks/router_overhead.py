@@ -41,9 +41,20 @@ worker threads (1 and 2: ``TOKIO_WORKER_THREADS``), with ``--log-level
 error`` (warning logs three lines per request) and a health check interval
 longer than the run; each figure is compared with its best configuration.
 
+The gateway arms: one Envoy (one worker thread) with coserve's endpoint picker
+(``coserve epp``), their CPU counted together, in front of the same upstream:
+as the operator renders a gateway pool (ext_proc in full duplex, as GAIE's
+gateways run it, over TLS to the picker), the same in cleartext (what TLS
+costs), and coserve's buffered exchange over TLS (the streamed tokens skip the
+picker). ``--no-gateway`` leaves them out.
+
 Targets: at most 1 ms added at p99 at 500 requests/s; at least 2,000 requests/s
 non-streaming; coserve's added p99 at most 2x vllm-router's; coserve's CPU per
-request at most 1.5x vllm-router's. Writes benchmarks/results/router_overhead.json.
+request at most 1.5x vllm-router's; the gateway as rendered against vllm-router's
+best: CPU per request at most 1.5x non-streaming and 1.0x streaming 256 tokens
+(``--stream-tokens 256``, router_overhead_stream.json), added p99 at most 1.5x;
+streaming, at most 0.5x coserve's router's CPU per request. Writes
+benchmarks/results/router_overhead.json.
 
     .venv/bin/python benchmarks/router_overhead.py                  # ~10 minutes
     .venv/bin/python benchmarks/router_overhead.py --replicas 2     # two processes against two
@@ -75,6 +86,7 @@ from harness.results import Table, ratio, show, write_result
 from harness.stats import percentile, say
 from harness.sweep import best_of
 
+from coserve.api.spec.gateway import GatewaySpec
 from coserve.engine.conversations import ConversationLog
 
 ANSWER = json.dumps(
@@ -98,9 +110,13 @@ TOKEN_EVENT = b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"in
 USAGE_EVENT = b'data: {"id":"x","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":3,' + (
     b'"completion_tokens":256}}\n\n'
 )
-GATEWAY = "gateway"  # the arm: Envoy + coserve's endpoint picker, ext_proc in full duplex as GAIE's gateways run it
-GATEWAY_BUFFERED = "gateway-buffered"  # the same with coserve's buffered exchange (the tokens skip the picker)
-GATEWAY_MODES = {GATEWAY: "full-duplex", GATEWAY_BUFFERED: "buffered"}
+# the gateway arms: Envoy + coserve's endpoint picker, as (ext_proc body mode, TLS to the picker)
+RENDERED_TLS: bool = GatewaySpec.model_fields["secure_serving"].default  # what the operator renders by default
+GATEWAY = "gateway"  # as the operator renders a gateway pool: full duplex (as GAIE's gateways run it), TLS
+GATEWAY_CLEARTEXT = "gateway-cleartext"  # the same without TLS: what TLS to the picker costs
+GATEWAY_BUFFERED = "gateway-buffered"  # coserve's buffered exchange (the tokens skip the picker), as rendered
+GATEWAY_MODES = {GATEWAY: ("full-duplex", RENDERED_TLS), GATEWAY_CLEARTEXT: ("full-duplex", False),
+                 GATEWAY_BUFFERED: ("buffered", RENDERED_TLS)}  # fmt: skip
 GATEWAY_CPU_RATIO = {False: 1.5, True: 1.0}  # Envoy + picker CPU per request against vllm-router's (by streaming)
 GATEWAY_P99_RATIO = 1.5
 GATEWAY_OVER_ROUTER_STREAMING = 0.5  # Envoy + picker CPU per request against coserve's router, streaming
@@ -451,7 +467,7 @@ def main() -> int:
                         help="then profile coserve's router with py-spy this long at --rate (0: none)")  # fmt: skip
     parser.add_argument("--stream-tokens", type=int, default=0,
                         help="tokens streamed per request (0: non-streaming; the targets name 256)")  # fmt: skip
-    parser.add_argument("--no-gateway", action="store_true", help="leave out the Envoy + endpoint picker arm")
+    parser.add_argument("--no-gateway", action="store_true", help="leave out the Envoy + endpoint picker arms")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pins:
@@ -522,9 +538,11 @@ class Bench:
 
     def gateway(self, arm: str) -> Arm:
         """Envoy (one worker thread) with coserve's endpoint picker: one proxy and one picker, their CPU summed."""
-        mode = GATEWAY_MODES[arm]
-        say(f"Envoy + coserve's endpoint picker (one of each), ext_proc {mode}")
-        with gateway(self.config, self.workdir, self.router_cores, body_mode=mode) as (url, ready, pids):  # type: ignore[arg-type]
+        mode, secure = GATEWAY_MODES[arm]
+        say(f"Envoy + coserve's endpoint picker (one of each), ext_proc {mode}{' over TLS' if secure else ''}")
+        with gateway(self.config, self.workdir, self.router_cores, body_mode=mode, secure=secure) as (  # type: ignore[arg-type]
+            url, ready, pids,
+        ):  # fmt: skip
             return asyncio.run(measure_arm(self.args, ready, [url], pids))
 
     def coserve(self) -> Arm:
@@ -607,7 +625,8 @@ def attribute(raw: str) -> dict[str, float]:
 
 def label(arm: Any) -> str:
     if arm in GATEWAY_MODES:
-        return f"Envoy + coserve picker, {GATEWAY_MODES[arm]}"
+        mode, secure = GATEWAY_MODES[arm]
+        return f"Envoy + coserve picker, {mode}{', TLS' if secure else ''}"
     return arm if isinstance(arm, str) else f"vllm-router {arm[0]}, {arm[1]} thr"
 
 
@@ -618,7 +637,7 @@ def gateway_comparison(
     best configuration for each figure, and against coserve's own router: ratios, 95 % bootstrap intervals and the
     targets."""
     direct = arms["direct"]
-    ours = {"body_mode": GATEWAY_MODES[arm], **arms[arm].figures(direct)}
+    ours = {"body_mode": GATEWAY_MODES[arm][0], "picker_tls": GATEWAY_MODES[arm][1], **arms[arm].figures(direct)}
     best_cpu = best_of(sweep, "cpu_s_per_request")
     best_p99 = best_of(sweep, "added_p99_s")
     key = {
@@ -678,7 +697,7 @@ def report(
     table.row(f"direct (x{args.repetitions})", d50 * 1000, d99 * 1000, "", "", show(direct.requests_per_s, "{:.0f}"))
     streaming = args.stream_tokens > 0
     gates = {arm: gateway_comparison(arms, sweep, streaming, arm) for arm in GATEWAY_MODES if arm in arms and sweep}
-    gate = gates.get(GATEWAY)  # judged as GAIE's gateways run it; the buffered exchange is reported beside it
+    gate = gates.get(GATEWAY)  # judged as the operator renders it; cleartext and buffered are reported beside it
     gated = [(label(arm), found["figures"]) for arm, found in gates.items()]
     for name, row in [(f"coserve ({args.replicas} proc)", ours), *gated] + [
             (label((r["policy"], r["worker_threads"])), r) for r in sweep]:  # fmt: skip
@@ -733,6 +752,7 @@ def report(
             "router": ours,
             "vs_vllm_router": peer,
             "gateway": gate,
+            "gateway_cleartext": gates.get(GATEWAY_CLEARTEXT),
             "gateway_buffered": gates.get(GATEWAY_BUFFERED),
             "stream_tokens": args.stream_tokens,
             "cpu_profile": profile,

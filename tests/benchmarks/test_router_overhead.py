@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from coserve.api.spec.gateway import GatewaySpec
 
 
 def row(policy: str, threads: int, p99: float, cpu: float, rps: float) -> dict[str, Any]:
@@ -73,3 +77,21 @@ def test_the_ratios_intervals_hold_the_ratio_of_a_clear_difference(router_overhe
     low, high = found["added_p99_ratio_ci95"]
     assert low <= 2.0 <= high and high - low < 0.5
     assert found["cpu_per_request_ratio_ci95"] == [2.0, 2.0]  # identical slices: no spread
+
+
+def test_the_judged_gateway_arm_runs_the_picker_as_the_operator_renders_it(
+    router_overhead: ModuleType, tmp_path: Path
+) -> None:
+    """The gateway a pool renders by default serves ext_proc over TLS: the judged arm's picker is started with
+    --secure-serving and Envoy reaches it over TLS; the cleartext arm with neither."""
+    gateway = importlib.import_module("harness.gateway")
+    assert GatewaySpec().secure_serving  # the operator's default, which the judged arm follows
+    judged = router_overhead.GATEWAY_MODES[router_overhead.GATEWAY]
+    cleartext = router_overhead.GATEWAY_MODES[router_overhead.GATEWAY_CLEARTEXT]
+    for (mode, secure), tls in ((judged, True), (cleartext, False)):
+        picker, envoy, bootstrap = gateway.gateway_commands(tmp_path / "r.json", tmp_path / "e.json", (1, 2, 3, 4),
+                                                            mode, secure)  # fmt: skip
+        assert mode == "full-duplex" and ("--secure-serving" in picker) is tls
+        clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+        assert any("transport_socket" in c for c in clusters.values()) is tls
+        assert envoy[envoy.index("-c") + 1] == str(tmp_path / "e.json")
