@@ -44,8 +44,9 @@ first arrival to the first token of its final turn (streamed). Recomputation is 
 Writes benchmarks/results/ttfet.json once every run is in. Targets: at the provisioned load coserve's p95
 TTFET is at most vllm-router's best policy's divided by 1.3; at 1.5x it, never above vllm-router's best;
 conversation placement never worse than per-turn or per-request placement at either load; ``met`` when all
-hold. ``--gateway``: conversation placement through Envoy and coserve's endpoint picker against coserve's
-router process (1 prefiller, 2 decoders, ``--rate``), ``ttfet_gateway.json`` (see ``gateway_arms``).
+hold. ``--gateway``: conversation placement through Envoy and coserve's endpoint picker (ext_proc over TLS, as
+the operator renders it) against coserve's router process (1 prefiller, 2 decoders, ``--rate``),
+``ttfet_gateway.json`` (see ``gateway_arms``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,11 @@ from harness.runs import RunStore, StoreMismatch
 from harness.stats import percentile, percentile_ratio_interval, reportable_percentile, say
 from harness.sweep import best_of
 
+from coserve.api.spec.gateway import GatewaySpec
+
 GATEWAY = "gateway (Envoy + coserve endpoint picker)"
+# the picker as the operator renders a gateway pool: ext_proc over TLS unless spec.gateway.secureServing is false
+RENDERED_TLS: bool = GatewaySpec.model_fields["secure_serving"].default
 ROUTER_PROCESS = "conversation (coserve router process)"
 GATEWAY_WITHIN = 0.05  # the gateway's p95 TTFET within this fraction of the router process's
 PEER_PD_POLICY = "cache_aware"  # its default policy, choosing the decoder in its P/D mode
@@ -459,6 +464,7 @@ def write_gateway(results: dict[str, dict[str, Any]], args: argparse.Namespace) 
             "within_router_spread": bool(verdict["within_router_spread"]),
             "gateway_repetitions": args.gateway_repetitions,
             "body_mode": args.gateway_body_mode,
+            "picker_tls": RENDERED_TLS,
             "gateway": results[GATEWAY],
             "baseline": {"name": ROUTER_PROCESS, **results[ROUTER_PROCESS]},
             "setup": {
@@ -486,7 +492,9 @@ def gateway_arms(pool: Any, workdir: Path, args: argparse.Namespace) -> dict[str
             pool.clear()
             with contextlib.ExitStack() as stack:
                 if name == GATEWAY:
-                    url, ready, _ = stack.enter_context(gateway(path, path.parent, body_mode=args.gateway_body_mode))
+                    url, ready, _ = stack.enter_context(
+                        gateway(path, path.parent, body_mode=args.gateway_body_mode, secure=RENDERED_TLS)
+                    )
                     for probe in ready:
                         wait_until_ok(probe)
                 else:
