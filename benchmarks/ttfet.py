@@ -265,8 +265,8 @@ def sweep_order(arms: list[Arm], repetitions: int) -> list[tuple[int, str, Arm]]
     return order
 
 
-def sweep(pool: PDPool, workdir: Path, args: argparse.Namespace, store: RunStore, arms: list[Arm]) -> bool:
-    """Run what the store lacks, in ``sweep_order``, until done or ``--stop-after-min``; whether it is done."""
+def sweep(pool: PDPool, workdir: Path, args: argparse.Namespace, store: RunStore, arms: list[Arm]) -> None:
+    """Run what the store lacks, in ``sweep_order``, until done or ``--stop-after-min`` (``report`` says which)."""
     deadline = time.monotonic() + 60 * args.stop_after_min if args.stop_after_min else float("inf")
     order = sweep_order(arms, args.repetitions)
     for done, (repetition, load, arm) in enumerate(order):
@@ -274,7 +274,7 @@ def sweep(pool: PDPool, workdir: Path, args: argparse.Namespace, store: RunStore
             continue
         if time.monotonic() > deadline:
             say(f"stopping after {args.stop_after_min:g} min: {done} of {len(order)} runs done; run again to resume")
-            return False
+            return
         rate = store.facts["loads"][load]
         pool.clear()
         before = computed_tokens(pool.engines)
@@ -291,7 +291,6 @@ def sweep(pool: PDPool, workdir: Path, args: argparse.Namespace, store: RunStore
         store.add(run | {"ttfet_s": ttfet, "computed_prompt_tokens": tokens, "p95_s_indicative": percentile(ttfet, 95)})
         say(f"  TTFET p50 {percentile(ttfet, 50):.2f} s, p95 {percentile(ttfet, 95):.2f} s (of {len(ttfet)}); "
             f"engines computed {tokens:.0f} prompt tokens")  # fmt: skip
-    return True
 
 
 def pooled(store: RunStore, arm: Arm, load: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import aiohttp
 
 from coserve.api.profile import EngineProfile
 from coserve.api.spec import PoolShape as ShapeName
-from coserve.api.spec import SpecModel
+from coserve.api.spec import PriorityClassSpec, SpecModel
 from coserve.api.status import Plan
 from coserve.cli.manifest import load_pool, load_profile, read_file
 from coserve.provisioning import plan_for
@@ -65,13 +65,18 @@ def pool_spec(
                 "live_context_tokens": None}
     )  # fmt: skip
     work = spec.workload.model_copy(update={**workload, "arrival_rate_per_s": rate})
-    parsed = type(spec.priority_classes[0]) if spec.priority_classes else None
-    priority = [parsed.model_validate(dict(c)) for c in classes] if parsed is not None else spec.priority_classes
+    priority = [PriorityClassSpec.model_validate(dict(c)) for c in classes]
     return spec.model_copy(update={"workload": work, "profile": blank, "shape": shape, "priority_classes": priority})
 
 
 def engines_of(plan: Plan) -> int:
     return int(plan.prefillers + plan.decoders)
+
+
+def _plan_at(
+    workload: Mapping[str, Any], rate: float, classes: Sequence[Mapping[str, Any]], profile: EngineProfile
+) -> Plan:
+    return plan_for(pool_spec(workload, rate, classes), profile)
 
 
 def provisioned_rate(
@@ -80,19 +85,19 @@ def provisioned_rate(
     """The highest arrival rate (conversations/s, to 0.1 %) at which the plan (``spec.shape: Auto``, the example
     pool's headroom) takes at most ``engines`` engines, and that plan."""
     low, high = 0.0, 1e-3
-    while engines_of(plan_for(pool_spec(workload, high, classes), profile)) <= engines:
+    while engines_of(_plan_at(workload, high, classes, profile)) <= engines:
         low, high = high, high * 2
         if high > 1e5:
             raise ValueError(f"the plan never needs more than {engines} engines for this workload")
     while high - low > 1e-3 * high:
         middle = (low + high) / 2
-        if engines_of(plan_for(pool_spec(workload, middle, classes), profile)) <= engines:
+        if engines_of(_plan_at(workload, middle, classes, profile)) <= engines:
             low = middle
         else:
             high = middle
     if low <= 0:
         raise ValueError(f"the plan needs more than {engines} engines at any rate")
-    return low, plan_for(pool_spec(workload, low, classes), profile)
+    return low, _plan_at(workload, low, classes, profile)
 
 
 def cached_profile(path: Path) -> EngineProfile:
