@@ -46,7 +46,10 @@ The gateway arms: one Envoy (one worker thread) with coserve's endpoint picker
 as the operator renders a gateway pool (ext_proc in full duplex, as GAIE's
 gateways run it, over TLS to the picker), the same in cleartext (what TLS
 costs), and coserve's buffered exchange over TLS (the streamed tokens skip the
-picker). ``--no-gateway`` leaves them out.
+picker). Each gateway arm's CPU is also reported by process (picker, Envoy):
+Envoy's part alone against the target says whether any picker, however cheap,
+could meet it. Beside them, Envoy alone: the same bootstrap less ext_proc,
+straight to the upstream (the proxy's own cost). ``--no-gateway`` leaves them out.
 
 Targets: at most 1 ms added at p99 at 500 requests/s; at least 2,000 requests/s
 non-streaming; coserve's added p99 at most 2x vllm-router's; coserve's CPU per
@@ -80,7 +83,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from harness.gateway import gateway
+from harness.gateway import envoy_alone, gateway
 from harness.peers import POLICIES, free_port, launched, vllm_router_command
 from harness.results import Table, ratio, show, write_result
 from harness.stats import percentile, say
@@ -117,6 +120,7 @@ GATEWAY_CLEARTEXT = "gateway-cleartext"  # the same without TLS: what TLS to the
 GATEWAY_BUFFERED = "gateway-buffered"  # coserve's buffered exchange (the tokens skip the picker), as rendered
 GATEWAY_MODES = {GATEWAY: ("full-duplex", RENDERED_TLS), GATEWAY_CLEARTEXT: ("full-duplex", False),
                  GATEWAY_BUFFERED: ("buffered", RENDERED_TLS)}  # fmt: skip
+ENVOY_ALONE = "envoy-alone"  # the same Envoy less ext_proc, straight to the upstream: the proxy before any picker
 GATEWAY_CPU_RATIO = {False: 1.5, True: 1.0}  # Envoy + picker CPU per request against vllm-router's (by streaming)
 GATEWAY_P99_RATIO = 1.5
 GATEWAY_OVER_ROUTER_STREAMING = 0.5  # Envoy + picker CPU per request against coserve's router, streaming
@@ -231,7 +235,7 @@ async def timed_open_loop(
                 last_cpu, last_answered = cpu, answered
 
         tasks = []
-        cpu_before = sum(cpu_seconds(pid) for pid in pids)
+        before = [cpu_seconds(pid) for pid in pids]
         sampler = asyncio.create_task(sample()) if pids else None
         start = time.perf_counter()
         at = 0.0
@@ -244,10 +248,10 @@ async def timed_open_loop(
             index += 1
             at += rng.expovariate(rate)
         latencies = list(await asyncio.gather(*tasks))
-        cpu = sum(cpu_seconds(pid) for pid in pids) - cpu_before
+        by_process = [cpu_seconds(pid) - cpu for pid, cpu in zip(pids, before, strict=True)]
         if sampler is not None:
             sampler.cancel()
-    return Arm(latencies, cpu, 0.0, [(c, n) for c, n in slices if n > 0])
+    return Arm(latencies, sum(by_process), 0.0, [(c, n) for c, n in slices if n > 0], cpu_by_process=by_process)
 
 
 async def closed_loop(base: list[str], concurrency: int, seconds: float) -> float:
@@ -288,6 +292,7 @@ class Arm:
     requests_per_s: float
     slices: list[tuple[float, int]] = field(default_factory=list)  # (CPU seconds, requests answered) per second
     repetitions: list[float] = field(default_factory=list)  # pooled: each repetition's requests/s
+    cpu_by_process: list[float] = field(default_factory=list)  # cpu_s by process, in the order of the arm's pids
 
     def figures(self, direct: Arm) -> dict[str, float]:
         p50, p99 = percentile(self.latencies, 50), percentile(self.latencies, 99)
@@ -305,8 +310,9 @@ class Arm:
 def pooled(arms: list[Arm]) -> Arm:
     """The repetitions of one arm as one sample: latencies and CPU slices together, requests/s their median."""
     rates = [arm.requests_per_s for arm in arms]
+    by_process = [sum(cpu) for cpu in zip(*(arm.cpu_by_process for arm in arms), strict=True)]
     return Arm([x for arm in arms for x in arm.latencies], sum(arm.cpu_s for arm in arms), statistics.median(rates),
-               [x for arm in arms for x in arm.slices], rates)  # fmt: skip
+               [x for arm in arms for x in arm.slices], rates, by_process)  # fmt: skip
 
 
 def intervals(ours: Arm, theirs: Arm, direct: Arm, resamples: int = 2000, seed: int = 7) -> dict[str, list[float]]:
@@ -528,10 +534,12 @@ class Bench:
             f"{args.concurrency} clients for {args.seconds:.0f} s, per arm")  # fmt: skip
         arms: dict[Any, Arm] = {"direct": asyncio.run(measure_arm(args, [f"{self.upstream}/metrics"], [self.upstream],
                                                                   ()))}  # fmt: skip
-        order: list[Any] = [COSERVE, *([] if args.no_gateway else list(GATEWAY_MODES)), *self.peers]
+        order: list[Any] = [COSERVE, *([] if args.no_gateway else [*GATEWAY_MODES, ENVOY_ALONE]), *self.peers]
         for arm in order if number % 2 == 0 else order[::-1]:
             if arm == COSERVE:
                 arms[arm] = self.coserve()
+            elif arm == ENVOY_ALONE:
+                arms[arm] = self.envoy_alone()
             else:
                 arms[arm] = self.gateway(arm) if arm in GATEWAY_MODES else self.peer(*arm)
         return arms
@@ -544,6 +552,12 @@ class Bench:
             url, ready, pids,
         ):  # fmt: skip
             return asyncio.run(measure_arm(self.args, ready, [url], pids))
+
+    def envoy_alone(self) -> Arm:
+        """The gateway's Envoy less ext_proc, straight to the upstream: what the proxy costs before any picker."""
+        say("Envoy alone (one worker thread, no endpoint picker), straight to the upstream")
+        with envoy_alone(self.upstream, self.workdir, self.router_cores) as (url, ready, pid):
+            return asyncio.run(measure_arm(self.args, ready, [url], (pid,)))
 
     def coserve(self) -> Arm:
         say(f"coserve ({self.args.replicas} process(es))")
@@ -624,6 +638,8 @@ def attribute(raw: str) -> dict[str, float]:
 
 
 def label(arm: Any) -> str:
+    if arm == ENVOY_ALONE:
+        return "Envoy alone (no picker)"
     if arm in GATEWAY_MODES:
         mode, secure = GATEWAY_MODES[arm]
         return f"Envoy + coserve picker, {mode}{', TLS' if secure else ''}"
@@ -638,6 +654,8 @@ def gateway_comparison(
     targets."""
     direct = arms["direct"]
     ours = {"body_mode": GATEWAY_MODES[arm][0], "picker_tls": GATEWAY_MODES[arm][1], **arms[arm].figures(direct)}
+    served = len(arms[arm].latencies)
+    ours["picker_cpu_s_per_request"], ours["envoy_cpu_s_per_request"] = (c / served for c in arms[arm].cpu_by_process)
     best_cpu = best_of(sweep, "cpu_s_per_request")
     best_p99 = best_of(sweep, "added_p99_s")
     key = {
@@ -649,9 +667,13 @@ def gateway_comparison(
     router = arms[COSERVE].figures(direct)
     over_router = ratio(ours["cpu_s_per_request"], router["cpu_s_per_request"])
     cpu_target = GATEWAY_CPU_RATIO[streaming]
+    envoy_share = ratio(ours["envoy_cpu_s_per_request"], best_cpu["cpu_s_per_request"])
     out: dict[str, Any] = {
         "figures": ours,
         "cpu_per_request_ratio": cpu,
+        # Envoy's part of the exchange alone against vllm-router's best: over the target, no picker meets it
+        "envoy_cpu_ratio": envoy_share,
+        "cpu_target_within_reach": envoy_share is not None and envoy_share <= cpu_target,
         "cpu_per_request_ratio_ci95": intervals(arms[arm], arms[key["cpu"]], direct).get(
             "cpu_per_request_ratio_ci95"
         ),
@@ -672,6 +694,20 @@ def gateway_comparison(
         out["cpu_over_coserve_router_met"] = over_router is not None and over_router <= GATEWAY_OVER_ROUTER_STREAMING
     out["met"] = out["cpu_met"] and out["added_p99_met"] and out.get("cpu_over_coserve_router_met", True)
     return out
+
+
+def envoy_alone_comparison(arms: dict[Any, Arm], sweep: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gateway's Envoy less ext_proc against vllm-router's best CPU per request: the proxy's own cost."""
+    direct = arms["direct"]
+    figures = arms[ENVOY_ALONE].figures(direct)
+    best = best_of(sweep, "cpu_s_per_request")
+    peer = arms[(best["policy"], best["worker_threads"])]
+    return {
+        "figures": figures,
+        "cpu_per_request_ratio": ratio(figures["cpu_s_per_request"], best["cpu_s_per_request"]),
+        "cpu_per_request_ratio_ci95": intervals(arms[ENVOY_ALONE], peer, direct).get("cpu_per_request_ratio_ci95"),
+        "best": [best["policy"], best["worker_threads"]],
+    }
 
 
 def report(
@@ -698,7 +734,9 @@ def report(
     streaming = args.stream_tokens > 0
     gates = {arm: gateway_comparison(arms, sweep, streaming, arm) for arm in GATEWAY_MODES if arm in arms and sweep}
     gate = gates.get(GATEWAY)  # judged as the operator renders it; cleartext and buffered are reported beside it
+    alone = envoy_alone_comparison(arms, sweep) if ENVOY_ALONE in arms and sweep else None
     gated = [(label(arm), found["figures"]) for arm, found in gates.items()]
+    gated += [(label(ENVOY_ALONE), alone["figures"])] if alone else []
     for name, row in [(f"coserve ({args.replicas} proc)", ours), *gated] + [
             (label((r["policy"], r["worker_threads"])), r) for r in sweep]:  # fmt: skip
         latencies = [row[k] * 1000 for k in ("p50_s", "p99_s", "added_p50_s", "added_p99_s")]
@@ -723,7 +761,11 @@ def report(
         print(f"{label(arm)} vs vllm-router's best: CPU per request {show(found['cpu_per_request_ratio'])}x "
               f"(target <= {found['cpu_target']}x), added p99 {show(found['added_p99_ratio'])}x (target <= "
               f"{GATEWAY_P99_RATIO}x); vs coserve's router: CPU per request {show(found['cpu_over_coserve_router'])}x; "
-              f"{'met' if found['met'] else 'NOT met'}")  # fmt: skip
+              f"{'met' if found['met'] else 'NOT met'}; Envoy's part alone "
+              f"{show(found['figures']['envoy_cpu_s_per_request'] * 1000, '{:.3f}')} ms, "
+              f"{show(found['envoy_cpu_ratio'])}x")  # fmt: skip
+    if alone is not None:
+        print(f"{label(ENVOY_ALONE)} vs vllm-router's best: CPU per request {show(alone['cpu_per_request_ratio'])}x")
     met = latency_met and throughput_met and (peer is None or (peer["added_p99_met"] and peer["cpu_met"]))
     met = met and (gate is None or gate["met"])
     if streaming:  # the router's own targets are set for non-streaming requests: a streaming run judges the gateway's
@@ -754,6 +796,7 @@ def report(
             "gateway": gate,
             "gateway_cleartext": gates.get(GATEWAY_CLEARTEXT),
             "gateway_buffered": gates.get(GATEWAY_BUFFERED),
+            "envoy_alone": alone,
             "stream_tokens": args.stream_tokens,
             "cpu_profile": profile,
             "repetitions": repetitions,

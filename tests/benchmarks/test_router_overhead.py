@@ -95,3 +95,89 @@ def test_the_judged_gateway_arm_runs_the_picker_as_the_operator_renders_it(
         clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
         assert any("transport_socket" in c for c in clusters.values()) is tls
         assert envoy[envoy.index("-c") + 1] == str(tmp_path / "e.json")
+
+
+def test_the_gateway_arms_cpu_is_split_into_the_picker_and_envoy_and_envoy_alone_is_judged(
+    router_overhead: ModuleType,
+) -> None:
+    """Envoy's part of a gateway arm is set against the target alone: over it, no picker could meet the target."""
+    arm = router_overhead.Arm
+    direct = arm([0.001] * 100, 0.0, 1000.0)
+
+    def measured(cpu: float, by_process: list[float]) -> Any:
+        return arm([0.002] * 100, cpu, 500.0, [(cpu / 10, 10)] * 10, cpu_by_process=by_process)
+
+    peers = {("consistent_hash", 1): measured(0.02, [0.02])}  # 0.2 ms per request
+    sweep = [{"policy": "consistent_hash", "worker_threads": 1, **peers["consistent_hash", 1].figures(direct)}]
+    for envoy_s, reachable in ((0.01, True), (0.04, False)):  # Envoy's part: 0.5x, then 2.0x vllm-router's
+        arms = {"direct": direct, router_overhead.COSERVE: measured(0.05, [0.05]), **peers,
+                router_overhead.GATEWAY: measured(0.03 + envoy_s, [0.03, envoy_s]),
+                router_overhead.ENVOY_ALONE: measured(0.01, [0.01])}  # fmt: skip
+        found = router_overhead.gateway_comparison(arms, sweep, streaming=False)
+        assert abs(found["figures"]["picker_cpu_s_per_request"] - 0.0003) < 1e-12
+        assert abs(found["figures"]["envoy_cpu_s_per_request"] - envoy_s / 100) < 1e-12
+        assert abs(found["envoy_cpu_ratio"] - envoy_s / 0.02) < 1e-9
+        assert found["cpu_target_within_reach"] is reachable and not found["cpu_met"]
+    alone = router_overhead.envoy_alone_comparison(arms, sweep)
+    assert abs(alone["cpu_per_request_ratio"] - 0.5) < 1e-9 and alone["best"] == ["consistent_hash", 1]
+
+
+def test_pooled_repetitions_keep_each_process_cpu(router_overhead: ModuleType) -> None:
+    arm = router_overhead.Arm
+    runs = [arm([0.001], 0.3, 10.0, cpu_by_process=[0.1, 0.2]), arm([0.001], 0.7, 20.0, cpu_by_process=[0.3, 0.4])]
+    pooled = router_overhead.pooled(runs)
+    assert pooled.cpu_by_process == [0.4, 0.6000000000000001] and pooled.cpu_s == 1.0
+
+
+def test_envoy_alone_is_the_gateway_less_ext_proc_in_front_of_the_upstream(
+    router_overhead: ModuleType, tmp_path: Path
+) -> None:
+    """The real Envoy (the wheel's) on the proxy bootstrap: a request reaches the upstream with no picker running,
+    and the bootstrap is the gateway's own listener and HTTP settings less the ext_proc filter."""
+    import http.server
+    import threading
+    import time
+
+    import httpx
+
+    from coserve.epp.envoy import envoy_bootstrap
+
+    gateway = importlib.import_module("harness.gateway")
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-length", "8")
+            self.end_headers()
+            self.wfile.write(b"upstream")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    upstream = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        alone = gateway.proxy_bootstrap(8080, 9901, upstream)
+        full = envoy_bootstrap(listen_host="127.0.0.1", listen_port=8080, picker_host="127.0.0.1", picker_port=1,
+                               admin_port=9901)  # fmt: skip
+        manager, full_manager = (c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+                                 for c in (alone, full))  # fmt: skip
+        assert [f["name"] for f in manager["http_filters"]] == ["envoy.filters.http.router"]
+        assert len(full_manager["http_filters"]) == 2
+        same = {k for k in full_manager if k not in ("http_filters", "route_config")}
+        assert {k: manager[k] for k in same} == {k: full_manager[k] for k in same}
+        with gateway.envoy_alone(upstream, tmp_path) as (url, ready, pid):
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(ready[0], timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "Envoy did not become ready"
+                time.sleep(0.2)
+            answer = httpx.get(f"{url}/v1/models", timeout=10)
+            assert answer.status_code == 200 and answer.text == "upstream" and pid > 0
+    finally:
+        server.shutdown()
