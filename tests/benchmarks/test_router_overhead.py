@@ -7,6 +7,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 from coserve.api.spec.gateway import GatewaySpec
 
 
@@ -126,7 +128,7 @@ def test_pooled_repetitions_keep_each_process_cpu(router_overhead: ModuleType) -
     arm = router_overhead.Arm
     runs = [arm([0.001], 0.3, 10.0, cpu_by_process=[0.1, 0.2]), arm([0.001], 0.7, 20.0, cpu_by_process=[0.3, 0.4])]
     pooled = router_overhead.pooled(runs)
-    assert pooled.cpu_by_process == [0.4, 0.6000000000000001] and pooled.cpu_s == 1.0
+    assert pooled.cpu_by_process == pytest.approx([0.4, 0.6]) and pooled.cpu_s == pytest.approx(1.0)
 
 
 def test_envoy_alone_is_the_gateway_less_ext_proc_in_front_of_the_upstream(
@@ -142,7 +144,7 @@ def test_envoy_alone_is_the_gateway_less_ext_proc_in_front_of_the_upstream(
 
     from coserve.epp.envoy import envoy_bootstrap
 
-    gateway = importlib.import_module("harness.gateway")
+    gateway, peers = importlib.import_module("harness.gateway"), importlib.import_module("harness.peers")
 
     class Upstream(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -169,12 +171,7 @@ def test_envoy_alone_is_the_gateway_less_ext_proc_in_front_of_the_upstream(
         assert {k: manager[k] for k in same} == {k: full_manager[k] for k in same}
         with gateway.envoy_alone(upstream, tmp_path) as (url, ready, pid):
             deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(ready[0], timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
+            while not peers.answers(ready[0]):
                 assert time.monotonic() < deadline, "Envoy did not become ready"
                 time.sleep(0.2)
             answer = httpx.get(f"{url}/v1/models", timeout=10)
