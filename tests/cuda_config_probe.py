@@ -10,6 +10,9 @@ What is substituted, because it cannot exist on a machine without a GPU, and not
 
 - **the platform**: ``vllm.platforms.cuda.NonNvmlCudaPlatform`` itself, answering the five questions
   NVML or the driver would (an H100: compute capability 9.0, 80 GiB, 8 devices, all connected);
+- **Triton's presence**: the CUDA image has Triton with its CUDA backend, so vLLM's ``HAS_TRITON`` is true
+  there; this machine's Triton has no CPU backend and vLLM reports it absent, which would silently resolve
+  the V1 model runner where CUDA resolves V2. The probe sets ``vllm.config.vllm.HAS_TRITON`` true;
 - **``vllm._C_stable_libtorch``**, a compiled module the CUDA platform imports and never calls while
   resolving a configuration: an empty module;
 - **module imports**: ``VllmConfig`` imports the model's class (to inspect it) and each KV connector's
@@ -77,6 +80,9 @@ def _use_cuda() -> None:
             return True
 
     platforms._current_platform = H100()  # type: ignore[attr-defined]
+    import vllm.config.vllm as vllm_config_module
+
+    vllm_config_module.HAS_TRITON = True  # as on the CUDA image (the module docstring says why)
 
 
 def resolve(launch: dict[str, Any]) -> dict[str, Any]:
@@ -106,6 +112,10 @@ def resolve(launch: dict[str, Any]) -> dict[str, Any]:
                 "kv_role": transfer.kv_role,
                 "kv_connector_extra_config": transfer.kv_connector_extra_config,
             },
+            "use_v2_model_runner": config.use_v2_model_runner,
+            "speculative_config": None if config.speculative_config is None else str(config.speculative_config),
+            "compilation_mode": config.compilation_config.mode.name,
+            "data_parallel_size": config.parallel_config.data_parallel_size,
             "nixl_side_channel_host": envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
             "nixl_side_channel_port": envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
         }  # fmt: skip

@@ -21,6 +21,7 @@ Used by tests/engine/test_render_parity.py (one engine) and test_topology_parity
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -49,6 +51,47 @@ from pod_network import PodNetwork
 __all__ = ["RenderedEngine", "cpu_variant", "render"]
 
 SHM = Path("/dev/shm")  # noqa: S108 - where POSIX shared memory (the safepoint board) lives
+BOARD_PREFIX = "coserve-sp-"
+
+
+def own_boards(pid: int) -> list[str]:
+    """The safepoint boards that process ``pid`` or any of its descendants has mapped (their shm names)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    names: set[str] = set()
+    for process in processes:
+        try:
+            for mapping in process.memory_maps(grouped=True):
+                path = Path(mapping.path)
+                if path.parent == SHM and path.name.startswith(BOARD_PREFIX):
+                    names.add(path.name)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return sorted(names)
+
+
+def stop_process_tree(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """Terminate ``process`` and all its descendants; kill whatever is left after ``timeout_s``."""
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    _, alive = psutil.wait_procs([p for p in tree if p.pid != process.pid], timeout=timeout_s)
+    for leftover in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            leftover.kill()
+
+
 CPU_WORKER = "coserve.engine.worker.SafepointCPUWorker"
 
 
@@ -125,34 +168,36 @@ class RenderedEngine:
         self.board: SafepointBoard | None = None
 
     def __enter__(self) -> RenderedEngine:
-        before = set(SHM.glob("coserve-sp-*"))
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        deadline = time.monotonic() + 300
-        while not self._healthy():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                pytest.fail(f"the rendered engine did not start:\n{self.log.read_text(errors='replace')[-4000:]}")
-            time.sleep(1)
-        # The scheduler creates the engine's safepoint board; its name holds vLLM's engine id.
-        created = sorted(set(SHM.glob("coserve-sp-*")) - before)
-        assert len(created) == 1, f"expected one new safepoint board, found {created}: is coserve's connector found?"
-        self.board = SafepointBoard.attach(created[0].name)
-        assert self.board is not None
+        try:
+            deadline = time.monotonic() + 300
+            while not self._healthy():
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the rendered engine did not start:\n{self.log.read_text(errors='replace')[-4000:]}")
+                time.sleep(1)
+            # The scheduler (in the engine core, a child of the server) creates the engine's board and keeps it
+            # mapped: found there, other engines on the machine, and their boards, are never mistaken for this one.
+            boards = own_boards(self.process.pid)
+            assert len(boards) == 1, f"expected one safepoint board in the engine's processes, found {boards}"
+            self.board = SafepointBoard.attach(boards[0])
+            assert self.board is not None
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def _healthy(self) -> bool:
         return engine_healthy(self.base)
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        """Stops the server and every process it started (the engine core and its workers), also when a
+        kill was needed: nothing of this engine outlives the test."""
+        if self.process is not None:
+            stop_process_tree(self.process)
         if self.board is not None:
             self.board.close()
+            self.board = None
 
     def complete(
         self, prompt: list[int], cls: str, max_tokens: int = 16, *, via_router: bool = True, **xargs: Any

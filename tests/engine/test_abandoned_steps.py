@@ -164,3 +164,29 @@ def test_an_abandoned_steps_reload_completes_in_every_layer(
         run_step(worker, vllm_config, board, 1, StepPlan(loads=[BlockCopy(LOADED_BLOCK, LOADED_SLOT)]), ABORT_LAYER)
     run_step(worker, vllm_config, board, 2, StepPlan(), None)  # the next step's forward: after everything in flight
     assert torch.equal(device_block(worker, LOADED_BLOCK), expected)
+
+
+@pytest.mark.parametrize("connector", ["cpu"], indirect=True, ids=["cpu copies"])
+def test_a_reload_completes_when_vllm_never_calls_wait_for_save(
+    connector: tuple[CoServeConnector, VllmConfig, SafepointBoard],
+) -> None:
+    """A runner that defers or skips the connector's ``wait_for_save`` (vLLM's V1 runner with spec decode defers
+    it past drafting; V2 has no ``finally``): the next step's ``bind_connector_metadata`` finishes the last one,
+    so an abandoned step's reload still reaches every layer before the next forward reads it. Driven without
+    vLLM's context manager, since its ``finally`` is exactly what this runner lacks."""
+    worker, _, board = connector
+    assert worker.kv_worker is not None and worker.kv_worker._host is not None
+    worker.kv_worker._host[:, LOADED_SLOT].normal_()
+    expected = host_slot(worker, LOADED_SLOT)
+    plan = StepPlan(loads=[BlockCopy(LOADED_BLOCK, LOADED_SLOT)])
+    worker.bind_connector_metadata(CoServeConnectorMetadata(1, worker.board_name, True, plan))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    with pytest.raises(StepPreempted):
+        for layer, name in enumerate(names):
+            if layer == ABORT_LAYER:
+                board.request_abort(1)
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, torch.empty(0), None)
+    worker.clear_connector_metadata()  # no wait_for_save
+    worker.bind_connector_metadata(CoServeConnectorMetadata(2, worker.board_name, True, StepPlan()))
+    assert torch.equal(device_block(worker, LOADED_BLOCK), expected)

@@ -156,3 +156,30 @@ def test_nixl_side_channel_on_the_pod_ip(resolved: list[tuple[str, dict[str, Any
         )
         ports = {p["containerPort"] for p in container.get("ports") or []}
         assert config["nixl_side_channel_port"] in ports, f"{name}: the side-channel port is not a container port"
+
+
+def test_the_v1_model_runner_as_the_readme_says(resolved: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> None:
+    """With Triton present, as on the CUDA image, vLLM 0.32 resolves its V2 model runner, which calls the KV
+    connectors outside any ``finally``; coserve supports V1, and the rendering says so
+    (``VLLM_USE_V2_MODEL_RUNNER=0``) for every engine."""
+    for name, container, config in resolved:
+        assert config["use_v2_model_runner"] is False, f"{name}: vLLM on CUDA resolves the V2 model runner"
+        assert pod_env(container).get("VLLM_USE_V2_MODEL_RUNNER") == "0", name
+
+
+def test_no_speculative_decoding_and_one_data_parallel_rank(
+    resolved: list[tuple[str, dict[str, Any], dict[str, Any]]],
+) -> None:
+    """Drafting runs inside the sampling step with the connector bound, and each DP rank is an engine core of its
+    own: coserve supports neither, and no example renders them."""
+    for name, _, config in resolved:
+        assert config["speculative_config"] is None, name
+        assert config["data_parallel_size"] == 1, name
+
+
+def test_compiled_unless_eager(resolved: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> None:
+    """torch.compile (vLLM's own compilation, under which the connector's per-layer calls still run), or none
+    with ``--enforce-eager``."""
+    for name, container, config in resolved:
+        expected = "NONE" if "--enforce-eager" in container["args"] else "VLLM_COMPILE"
+        assert config["compilation_mode"] == expected, name

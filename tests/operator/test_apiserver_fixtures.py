@@ -405,11 +405,13 @@ SECURITY_DRIFT = {
     },
     "assistant-router": ["spec.template.spec.containers[0].securityContext.seccompProfile"],
 }
-# This version's engines run without async scheduling (--no-async-scheduling in args) and, in a GPU pool such as this
-# one, listen for NIXL's handshake on their own pod's address (VLLM_NIXL_SIDE_CHANNEL_HOST and _PORT in env, the
-# containerPort nixl-side): the upgrade patches those three lists of both engines' container, whole.
+# This version's engines run without async scheduling (--no-async-scheduling in args) and with vLLM's V1 model runner
+# (VLLM_USE_V2_MODEL_RUNNER=0 in env) and, in a GPU pool such as this one, listen for NIXL's handshake on their own
+# pod's address (VLLM_NIXL_SIDE_CHANNEL_HOST and _PORT in env, the containerPort nixl-side): the upgrade patches
+# those three lists of both engines' container, whole.
 ENGINE_DRIFT = [f"spec.template.spec.containers[0].{field}" for field in ("args", "env", "ports")]
 ASYNC_FLAG = "--no-async-scheduling"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 NIXL_ENV = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")
 NIXL_PORT = "nixl-side"
 
@@ -596,8 +598,16 @@ def _without_new_engine_entries(body: dict[str, Any]) -> dict[str, Any]:
     container = out["spec"]["template"]["spec"]["containers"][0]
     assert container["args"].count(ASYNC_FLAG) == 1
     container["args"].remove(ASYNC_FLAG)
-    assert [entry["name"] for entry in container["env"] if entry["name"] in NIXL_ENV] == list(NIXL_ENV)
-    container["env"] = [entry for entry in container["env"] if entry["name"] not in NIXL_ENV]
+    # and coserve's connector renders the safepoint threshold (safepoint_min_step_s) in --kv-transfer-config
+    at = container["args"].index("--kv-transfer-config") + 1
+    transfer = json.loads(container["args"][at])
+    for connector in [transfer, *transfer.get("kv_connector_extra_config", {}).get("connectors", [])]:
+        if connector.get("kv_connector") == "CoServeConnector":
+            assert connector["kv_connector_extra_config"].pop("safepoint_min_step_s") > 0
+    container["args"][at] = json.dumps(transfer, sort_keys=True, separators=(",", ":"))
+    new_env = (V2_RUNNER_ENV, *NIXL_ENV)
+    assert [entry["name"] for entry in container["env"] if entry["name"] in new_env] == list(new_env)
+    container["env"] = [entry for entry in container["env"] if entry["name"] not in new_env]
     assert [port["name"] for port in container["ports"]] == ["http", NIXL_PORT]
     container["ports"] = container["ports"][:1]
     return out

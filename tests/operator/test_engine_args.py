@@ -4,6 +4,9 @@ Three decisions, each checked here on the rendered Deployments:
 
 - every engine role runs with ``--no-async-scheduling`` (vLLM 0.32 turns async scheduling on by default on
   CUDA: two steps in flight, which coserve's scheduler and layer safepoints do not support);
+- every engine container runs vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``: vLLM 0.32 picks its V2
+  runner on CUDA whenever Triton is installed, and coserve's preemption does not support it), and a user's
+  env entry cannot change that;
 - a pool whose handoff is NixlConnector (both roles on GPUs) tells each engine its own pod's address for
   NIXL's side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``; vLLM's default, localhost, is advertised to the
   decoder in another pod, which then connects to itself) and names the side channel's port;
@@ -16,15 +19,19 @@ from __future__ import annotations
 
 import copy
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from conftest import EXAMPLES
 from coserve.api import parse_pool
+from coserve.api.parse import parse_profile
 from coserve.api.problems import InvalidInput, Problem
-from coserve.api.spec import OPERATOR_ENGINE_FLAGS
+from coserve.api.spec import OPERATOR_ENGINE_FLAGS, V2_RUNNER_ENV, V2_RUNNER_OFF
 from coserve.operator.reconcile import reconcile
-from coserve.operator.resources import NIXL_SIDE_CHANNEL_PORT, build_children, engine_args
+from coserve.operator.resources import ENGINE_CONTAINER, NIXL_SIDE_CHANNEL_PORT, build_children, engine_args
 from coserve.provisioning import plan_for
 from pool_builders import sample_pool
 
@@ -79,6 +86,58 @@ def test_every_engine_role_runs_without_async_scheduling(engine: str, role: str)
     args = container(render(pool(ENGINES[engine])), role)["args"]
     assert args.count("--no-async-scheduling") == 1
     assert "--async-scheduling" not in args
+
+
+# --- the V1 model runner --------------------------------------------------------------------------
+
+EXAMPLE_POOLS = sorted(EXAMPLES.glob("pool*.yaml"))
+
+
+def without_gpus(document: dict[str, Any]) -> dict[str, Any]:
+    """The pool with no ``nvidia.com/gpu`` in any engine resources: CPU prefillers and decoders."""
+    out = copy.deepcopy(document)
+    engine = out["spec"].setdefault("engine", {})
+    engine.setdefault("resources", {"limits": {"nvidia.com/gpu": 1}})  # the API's default
+    for section in (engine, engine.get("prefiller") or {}, engine.get("decoder") or {}):
+        for amounts in (section.get("resources") or {}).values():
+            amounts.pop("nvidia.com/gpu", None)
+    return out
+
+
+def test_the_model_runner_variable_is_the_one_vllm_reads() -> None:
+    assert (V2_RUNNER_ENV, V2_RUNNER_OFF) == ("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+@pytest.mark.parametrize("path", EXAMPLE_POOLS, ids=lambda path: path.name)
+def test_every_engine_of_every_example_runs_the_v1_model_runner(path: Path, variant: str) -> None:
+    document = yaml.safe_load(path.read_text())
+    parsed = parse_pool(document if variant == "gpu" else without_gpus(document))
+    profile = parse_profile(yaml.safe_load((EXAMPLES / "profile.yaml").read_text()))
+    engines = [
+        child
+        for child in build_children(parsed, plan_for(parsed.spec, profile))
+        if child["kind"] == "Deployment" and child["metadata"]["labels"]["coserve.dev/role"] in ROLES
+    ]
+    assert sorted(child["metadata"]["labels"]["coserve.dev/role"] for child in engines) == sorted(ROLES)
+    for child in engines:
+        (vllm,) = [c for c in child["spec"]["template"]["spec"]["containers"] if c["name"] == ENGINE_CONTAINER]
+        assert [entry for entry in vllm["env"] if entry["name"] == V2_RUNNER_ENV] == [
+            {"name": V2_RUNNER_ENV, "value": V2_RUNNER_OFF}
+        ], child["metadata"]["name"]
+
+
+@pytest.mark.parametrize("value", [V2_RUNNER_OFF, "1"])
+@pytest.mark.parametrize("where", ["engine", "prefiller", "decoder"])
+def test_a_users_env_entry_may_not_choose_the_model_runner(where: str, value: str) -> None:
+    engine: dict[str, Any] = copy.deepcopy(GPU)
+    entries = [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": V2_RUNNER_ENV, "value": value}]
+    (engine if where == "engine" else engine.setdefault(where, {}))["env"] = entries
+    path = "spec.engine" if where == "engine" else f"spec.engine.{where}"
+
+    (problem,) = refusal(pool(engine))
+    assert problem.path == f"{path}.env[1].name"
+    assert problem.reason.startswith("is set by the operator") and V2_RUNNER_ENV in problem.reason
 
 
 # --- NIXL's side channel ---------------------------------------------------------------------------
@@ -215,3 +274,33 @@ def test_the_operator_reports_refused_extra_args_as_plan_valid_false() -> None:
     (condition,) = [c for c in result.status["conditions"] if c["type"] == "PlanValid"]
     assert condition["status"] == "False" and condition["reason"] == "InvalidSpec"
     assert condition["message"].startswith("spec.engine.decoder.extraArgs[0]: '--kv-transfer-config' is set by coserve")
+
+
+def test_every_engine_renders_the_safepoint_threshold_from_its_tightest_online_ttft() -> None:
+    """Steps the cost model predicts shorter than 2 % of the tightest online TTFT objective run unchecked; the
+    offline class's objective does not count. The connector reads the rendered value as it parses its settings."""
+    import json
+
+    from coserve.engine.rendered import engine_container
+    from coserve.scheduling.preemption import EXIT_SHARE_OF_TTFT, safepoint_min_step_s
+
+    assert safepoint_min_step_s([0.8, 3.0]) == pytest.approx(EXIT_SHARE_OF_TTFT * 0.8)
+    assert safepoint_min_step_s([]) == 0.0
+    for path in sorted(EXAMPLES.glob("pool*.yaml")):
+        document = yaml.safe_load(path.read_text())
+        if (document["spec"].get("profile") or {}).get("configMapRef") is not None:
+            continue  # rendering reads the profile from the cluster
+        pool = parse_pool(document)
+        spec = pool.spec
+        offline = spec.offline.class_name if spec.offline.enabled else None
+        tightest = min(c.ttft_slo_ms for c in spec.priority_classes if c.name != offline) / 1000
+        objects = build_children(pool, plan_for(spec))
+        for role in ("prefiller", "decoder"):
+            args = engine_container(objects, role)["args"]  # type: ignore[arg-type]
+            transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+            coserve = next(
+                c for c in [transfer, *transfer.get("kv_connector_extra_config", {}).get("connectors", [])]
+                if c.get("kv_connector") == "CoServeConnector"
+            )  # fmt: skip
+            rendered = coserve["kv_connector_extra_config"]["safepoint_min_step_s"]
+            assert rendered == pytest.approx(EXIT_SHARE_OF_TTFT * tightest), (path.name, role)

@@ -43,6 +43,8 @@ from coserve.operator.resources import (
 from coserve.provisioning import plan_for
 from pool_builders import sample_pool
 
+# coserve.scheduling.preemption.safepoint_min_step_s for the default classes: 2 % of interactive's 1 s TTFT objective
+MIN_STEP_S = 0.02
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 
 BASE_POOL: dict[str, Any] = sample_pool()
@@ -454,7 +456,10 @@ def test_gpu_engines_hand_kv_over_with_nixl_beside_coserves_connector(role: str,
                 {
                     **COSERVE_CONNECTOR,
                     "kv_role": kv_role,
-                    "kv_connector_extra_config": {"coserve_config": "/etc/coserve/engine.json"},
+                    "kv_connector_extra_config": {
+                        "coserve_config": "/etc/coserve/engine.json",
+                        "safepoint_min_step_s": MIN_STEP_S,
+                    },
                 },
                 {"kv_connector": "NixlConnector", "kv_role": kv_role},
             ]
@@ -467,7 +472,7 @@ def test_cpu_engines_get_coserves_connector_alone(role: str, kv_role: str) -> No
     assert kv_config(render(make_pool(engine=CPU_ENGINE)), role) == {
         **COSERVE_CONNECTOR,
         "kv_role": kv_role,
-        "kv_connector_extra_config": {"coserve_config": "/etc/coserve/engine.json"},
+        "kv_connector_extra_config": {"coserve_config": "/etc/coserve/engine.json", "safepoint_min_step_s": MIN_STEP_S},
     }
 
 
@@ -475,7 +480,11 @@ def test_cpu_engines_get_coserves_connector_alone(role: str, kv_role: str) -> No
 def test_the_host_pool_size_reaches_coserves_connector_only_when_enabled(role: str) -> None:
     enabled = make_pool(engine=CPU_ENGINE, kvOffload={"enabled": True, "hostMemoryBytes": 4 * 2**30})
     extra = kv_config(render(enabled), role)["kv_connector_extra_config"]
-    assert extra == {"coserve_config": "/etc/coserve/engine.json", "host_memory_bytes": 4 * 2**30}
+    assert extra == {
+        "coserve_config": "/etc/coserve/engine.json",
+        "host_memory_bytes": 4 * 2**30,
+        "safepoint_min_step_s": MIN_STEP_S,
+    }
     assert type(extra["host_memory_bytes"]) is int
     disabled = make_pool(engine=CPU_ENGINE, kvOffload={"enabled": False, "hostMemoryBytes": 4 * 2**30})
     assert "host_memory_bytes" not in kv_config(render(disabled), role)["kv_connector_extra_config"]
@@ -582,6 +591,7 @@ def test_engine_container_runs_vllm_with_the_coserve_plugin(role: str) -> None:
         {"name": "COSERVE_ROLE", "value": role},
         {"name": "COSERVE_CONFIG", "value": "/etc/coserve/engine.json"},
         {"name": "VLLM_PLUGINS", "value": "coserve"},
+        {"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "0"},
         {"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"},
         *NIXL_ENV,  # the default resources ask for a GPU: NixlConnector hands turn 1's KV over
     ]
@@ -901,14 +911,15 @@ def test_engine_wide_pod_options_land_in_both_engine_pods() -> None:
     for role in ("prefiller", "decoder"):
         template = pod_template(children, role)
         pod, engine = template["spec"], template["spec"]["containers"][0]
-        assert engine["env"][:6] == [
+        assert engine["env"][:7] == [
             {"name": "COSERVE_ROLE", "value": role},
             {"name": "COSERVE_CONFIG", "value": "/etc/coserve/engine.json"},
             {"name": "VLLM_PLUGINS", "value": "coserve"},
+            {"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "0"},
             {"name": "COSERVE_ROUTER_TOKEN_FILE", "value": "/etc/coserve-token/token"},
             *NIXL_ENV,
         ]  # the operator's own first, the user's after: $(NAME) may refer to them
-        assert engine["env"][6:] == ENGINE_OPTIONS["env"]
+        assert engine["env"][7:] == ENGINE_OPTIONS["env"]
         assert engine["envFrom"] == [{"secretRef": {"name": "engine-secrets"}}]
         assert pod["volumes"][3:] == ENGINE_OPTIONS["volumes"]
         assert engine["volumeMounts"][3:] == ENGINE_OPTIONS["volumeMounts"]
@@ -946,7 +957,7 @@ def test_a_roles_options_extend_and_replace_the_engine_wide_ones() -> None:
     pod, engine = template["spec"], template["spec"]["containers"][0]
 
     # lists: engine-wide then the role's, a same-named role entry replacing the engine-wide one in place
-    assert engine["env"][6:] == [  # after the operator's own (the side channel's two included)
+    assert engine["env"][7:] == [  # after the operator's own (the side channel's two included)
         {"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
         {"name": "NCCL_DEBUG", "value": "INFO"},
         {"name": "DECODER_ONLY", "value": "1"},
@@ -974,7 +985,7 @@ def test_a_roles_options_extend_and_replace_the_engine_wide_ones() -> None:
     # the prefiller keeps the engine-wide options alone
     prefiller = pod_template(children, "prefiller")
     assert prefiller["spec"]["serviceAccountName"] == "engines"
-    assert prefiller["spec"]["containers"][0]["env"][6:] == ENGINE_OPTIONS["env"]
+    assert prefiller["spec"]["containers"][0]["env"][7:] == ENGINE_OPTIONS["env"]
 
 
 def test_engine_pods_without_options_keep_the_namespace_defaults() -> None:

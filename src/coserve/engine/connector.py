@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from coserve.engine.in_flight import require_one_step_in_flight
+from coserve.engine.in_flight import require_supported_engine
 from coserve.engine.kv_metrics import CoServeKVPromMetrics, CoServeKVStats, merge_stats, own_stats
 from coserve.engine.layer_safepoints import (
     DEFAULT_RUNAHEAD,
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["CoServeConnector", "CoServeConnectorMetadata", "StepPreempted"]
+__all__ = ["CoServeConnector", "CoServeConnectorMetadata", "StepPreempted", "sibling_transfer_work"]
 
 logger = logging.getLogger("coserve.engine.connector")
 
@@ -95,7 +95,7 @@ class CoServeConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         if role == KVConnectorRole.SCHEDULER:
-            require_one_step_in_flight(vllm_config, "coserve's CoServeConnector")
+            require_supported_engine(vllm_config, "coserve's CoServeConnector")
         extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.safepoints, runahead, self.safepoint_min_step_s = _safepoint_settings(extra)
         self.in_multi_connector = False  # set by the TDGScheduler that finds it inside vLLM's MultiConnector
@@ -109,6 +109,8 @@ class CoServeConnector(KVConnectorBase_V1):
         bound = RunAheadBound(runahead, CudaEvents) if role == KVConnectorRole.WORKER and _on_cuda() else None
         self._safepoints = LayerSafepoints(bound)
         self._abandoned = False  # the bound step was abandoned at a safepoint (worker side)
+        self._step_open = False  # the bound step's copies began and wait_for_save has not ended them (worker side)
+        self._abandoned_step = -1  # scheduler side: the step whose output the scheduler is rolling back
         self.kv_settings: KVSettings = parse_kv_settings(extra)
         role_name = str(self._kv_transfer_config.kv_role)
         self._produce = role_name in ("kv_producer", "kv_both")
@@ -183,15 +185,22 @@ class CoServeConnector(KVConnectorBase_V1):
         safepoints = self.safepoints and not (board is not None and board.paused())
         return CoServeConnectorMetadata(self._next_step_id, self.board_name, safepoints, plan)
 
+    def step_abandoned(self, step_id: int) -> None:
+        """Called by the ``TDGScheduler`` before it hands vLLM an abandoned step's output: that output still
+        carries the connectors' transfer results, but this step's own copies must not be committed."""
+        self._abandoned_step = step_id
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Called by vLLM's scheduler after a step the workers completed (an abandoned one never gets here).
+        """Called by vLLM's scheduler after every step with the workers' connector output; an abandoned step's
+        too (its transfer results are real), but then the host pool commits none of its copies.
 
         The host pool's counters join the workers' stats here, before the scheduler reads them for /metrics.
         """
         super().update_connector_output(connector_output)
         if self.planner is None:
             return
-        self.planner.step_done()
+        if self._abandoned_step != self._next_step_id:
+            self.planner.step_done()  # an abandoned step's copies are partial: the next plan_step aborts them
         workers = own_stats(connector_output.kv_connector_stats)
         if workers is not None:
             copied = float(workers.data.get("bytes_offloaded", 0)) + float(workers.data.get("bytes_reloaded", 0))
@@ -257,6 +266,10 @@ class CoServeConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called by the model runner before each forward: remember which step is running, start its loads."""
         super().bind_connector_metadata(connector_metadata)
+        if self._step_open and self.kv_worker is not None:
+            # NOTE: the last step never reached wait_for_save (a runner that calls it elsewhere or not at all):
+            # finish it now, so that its reloads complete in every layer before this forward runs on them.
+            self._finish_step()
         if isinstance(connector_metadata, CoServeConnectorMetadata):
             if self._board is None and connector_metadata.safepoints and time.monotonic() >= self._next_attach_s:
                 self._board = SafepointBoard.attach(connector_metadata.board)
@@ -266,6 +279,7 @@ class CoServeConnector(KVConnectorBase_V1):
             self._abandoned = False
             if self.kv_worker is not None:
                 self.kv_worker.begin(connector_metadata.kv)
+                self._step_open = True
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None  # bind_connector_metadata already started the first layer's reload
@@ -297,6 +311,12 @@ class CoServeConnector(KVConnectorBase_V1):
 
         vLLM calls it in a ``finally``, so a step abandoned at a safepoint gets here too, with its blocks
         partly computed: it copies nothing out and writes no handoff file, and its reloads complete."""
+        if self.kv_worker is not None and self._step_open:
+            self._finish_step()
+
+    def _finish_step(self) -> None:
+        """The bound step's end, once: copy-outs for a completed step, completed reloads for an abandoned one."""
+        self._step_open = False
         if self.kv_worker is None:
             return
         if self._abandoned:
@@ -372,6 +392,34 @@ def find_connector(connector: object) -> CoServeConnector | None:
         if found is not None:
             return found
     return None
+
+
+def sibling_transfer_work(metadata: object) -> list[str]:
+    """The kinds of the other connectors' metadata in a step's MultiConnector metadata that carry transfer work.
+
+    Called by ``TDGScheduler`` for every step it posts: a step with any is run to its end, never abandoned at
+    a layer. Another connector's work in a step cannot be rolled back by coserve: NIXL's receives, sends and
+    host saves (``reqs_to_recv``, ``reqs_to_send``, ``reqs_to_save``), vLLM's OffloadingConnector's and
+    LMCache's stores of the step's blocks, which would keep partly computed KV under its block hashes.
+    Whatever the connector, metadata carries work when any of its attributes is a non-empty collection
+    (conservative: a connector coserve has not read is treated the same way), except NIXL's bookkeeping
+    (``BOOKKEEPING``: which requests a batch holds, which were aborted, lease heartbeats), which moves no KV
+    and which vLLM's V1 runner hands the connector in its ``finally`` (``start_load_kv``), abandoned step or not.
+    """
+    if isinstance(metadata, CoServeConnectorMetadata) or metadata is None:
+        return []
+    children = getattr(metadata, "metadata", None)
+    if isinstance(children, tuple):  # MultiConnector's metadata: one per connector, in the connectors' order
+        return [kind for child in children for kind in sibling_transfer_work(child)]
+    fields = vars(metadata) if hasattr(metadata, "__dict__") else {}
+    for name, value in fields.items():
+        if name not in BOOKKEEPING and isinstance(value, (dict, list, set, frozenset, tuple)) and value:
+            return [type(metadata).__name__]
+    return []
+
+
+# NixlConnectorMetadata's fields that move no KV (vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py)
+BOOKKEEPING = frozenset({"reqs_in_batch", "reqs_not_processed", "heartbeat_by_engine"})
 
 
 def find_metadata(metadata: object) -> CoServeConnectorMetadata | None:

@@ -14,17 +14,36 @@ vLLM keeps more than one step in flight in two cases, and each breaks that:
 
 The operator renders ``--no-async-scheduling`` and no pipeline parallelism; an engine started some
 other way fails here with what to change, instead of running with preemption silently wrong.
-Who calls it: ``TDGScheduler.__init__`` and ``CoServeConnector.__init__`` (scheduler side).
+
+``require_supported_engine`` adds what else an abandoned step cannot survive:
+
+- **vLLM's V2 model runner**, which vLLM 0.32 picks on CUDA whenever Triton is installed (the CUDA
+  image has it; this machine's Triton has no CPU backend, so CPU tests never see V2). V2 calls the KV
+  connector with no ``try/finally``: a step abandoned at a safepoint skips ``start_load_kv``,
+  ``wait_for_save``, its transfer results and the metadata's clear, which strands NIXL receives and
+  leaks a prefiller's sent blocks. coserve supports the V1 runner, whose connector calls run in a
+  ``finally``; the operator renders ``VLLM_USE_V2_MODEL_RUNNER=0`` for every engine.
+- **speculative decoding**: both runners draft inside ``sample_tokens`` with the connector's metadata
+  still bound, so a draft layer reaches a safepoint outside the worker's ``execute_model``, and the
+  engine would die. The operator refuses ``--speculative-config`` in extraArgs.
+- **data parallelism**: each DP rank is an engine core of its own, but the request validator in the API
+  server raises aborts on one safepoint board. Run more replicas instead (the operator refuses
+  ``--data-parallel-size`` > 1 in extraArgs).
+
+Who calls them: ``TDGScheduler.__init__`` and ``CoServeConnector.__init__`` (scheduler side), and the
+safepoint workers' ``__init__`` (``coserve.engine.worker``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from coserve.api.spec.reserved import V2_RUNNER_ENV, V2_RUNNER_OFF
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["ASYNC_OFF_FLAG", "require_one_step_in_flight"]
+__all__ = ["ASYNC_OFF_FLAG", "require_one_step_in_flight", "require_supported_engine"]
 
 ASYNC_OFF_FLAG = "--no-async-scheduling"
 
@@ -47,4 +66,28 @@ def require_one_step_in_flight(vllm_config: VllmConfig, who: str) -> None:
         raise ValueError(
             f"{who} needs one step in flight at a time, but this engine keeps {vllm_config.max_concurrent_batches}; "
             f"start vLLM with {ASYNC_OFF_FLAG} and no pipeline parallelism"
+        )
+
+
+def require_supported_engine(vllm_config: VllmConfig, who: str) -> None:
+    """``require_one_step_in_flight``, and raise ``ValueError`` naming what to change for the V2 model runner,
+    speculative decoding or data parallelism (see the module docstring)."""
+    require_one_step_in_flight(vllm_config, who)
+    if vllm_config.use_v2_model_runner:
+        raise ValueError(
+            f"{V2_RUNNER_ENV}: {who} supports vLLM's V1 model runner only (an abandoned step must still finish the "
+            f"KV connector's calls, which V2 makes outside any try/finally), but this engine resolved the V2 runner "
+            f"(vLLM's default on CUDA when Triton is installed); start vLLM with {V2_RUNNER_ENV}={V2_RUNNER_OFF}, as "
+            f"the operator renders it"
+        )
+    if vllm_config.speculative_config is not None:
+        raise ValueError(
+            f"--speculative-config: {who} does not support speculative decoding (the draft model runs inside the "
+            f"sampling step with the KV connector bound, where a layer safepoint would stop the engine); remove it"
+        )
+    data_parallel = vllm_config.parallel_config.data_parallel_size
+    if data_parallel > 1:
+        raise ValueError(
+            f"--data-parallel-size: {who} runs one engine core per server (the request validator raises aborts on "
+            f"one safepoint board), but this engine has {data_parallel} data-parallel ranks; run more replicas instead"
         )

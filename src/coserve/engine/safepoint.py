@@ -27,6 +27,7 @@ words, so no lock is needed; a stale read only delays a preemption by a layer.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import struct
 import time
 from dataclasses import dataclass
@@ -58,9 +59,18 @@ _NO_STEP = -1
 
 
 def board_name(engine_id: str) -> str:
-    """The shared-memory name of an engine's board (POSIX names are short: keep 30 characters)."""
-    safe = "".join(ch for ch in engine_id if ch.isalnum())[:20]
-    return f"coserve-sp-{safe}"
+    """The shared-memory name of an engine's board (POSIX names are short: at most 30 characters).
+
+    An id of at most 20 letters and digits is kept as it is (``board_name(suffix)`` of such a name is the name
+    again). Any other id (vLLM's default is a UUID) gives its first 9 letters and digits, for a person reading
+    ``/dev/shm``, then a digest of the whole id, so that ids that differ only in what that drops (vLLM appends
+    ``_dp{rank}`` to each data-parallel rank's) never share a board. The engine refuses data parallelism
+    (``coserve.engine.in_flight``); this keeps ranks apart regardless."""
+    if engine_id.isalnum() and engine_id.isascii() and len(engine_id) <= 20:
+        return f"coserve-sp-{engine_id}"
+    safe = "".join(ch for ch in engine_id if ch.isascii() and ch.isalnum())[:9]
+    digest = hashlib.blake2s(engine_id.encode(), digest_size=5).hexdigest()
+    return f"coserve-sp-{safe}{digest}"
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,21 @@ Start vLLM with ``--scheduler-cls coserve.engine.scheduler.TDGScheduler``
 5. posts the step on the safepoint board (``coserve.engine.safepoint``), so an
    urgent arrival can preempt it at the next layer boundary; a step the cost
    model predicts to end within ``safepoint_min_step_s`` (coserve's connector
-   setting, default 0) runs without safepoints, since an urgent arrival would
-   wait no longer than that for it anyway.
+   setting, which the operator renders from the pool's profile) runs without
+   safepoints, since an urgent arrival would wait no longer than that for it
+   anyway; so does a step in which another connector of vLLM's MultiConnector
+   (NIXL, vLLM's offloading connector, LMCache) moves KV, since coserve cannot
+   roll their work back (``sibling_transfer_work``).
 
 When the workers abandon a step, ``update_from_output`` rolls it back: every
 scheduled request's computed-token count returns to where it was, the
 prefix-cache entries registered for blocks the step was about to fill are
 withdrawn (their KV was never written), and a request that hit such a block
 in the same step is preempted and recomputed. KV computed in earlier steps is
-kept; no token is emitted for the abandoned step.
+kept; no token is emitted for the abandoned step. The step's output still
+carries the connectors' transfer results (``coserve.engine.worker``), which
+vLLM applies as for any step: a received request is promoted, sent blocks are
+freed.
 
 Nothing here decides anything: the policy is ``coserve.scheduling``.
 """
@@ -40,8 +46,8 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from coserve.engine.connector import CoServeConnector, find_connector, find_metadata
-from coserve.engine.in_flight import require_one_step_in_flight
+from coserve.engine.connector import CoServeConnector, find_connector, find_metadata, sibling_transfer_work
+from coserve.engine.in_flight import require_supported_engine
 from coserve.engine.safepoint import PostedStep, SafepointBoard
 from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching
 from coserve.scheduling.config import CONFIG_ENV, EngineSchedulingConfig, load_engine_config
@@ -70,7 +76,7 @@ class TDGScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        require_one_step_in_flight(self.vllm_config, "coserve's TDGScheduler")
+        require_supported_engine(self.vllm_config, "coserve's TDGScheduler")
         if self.policy != SchedulingPolicy.FCFS:
             raise ValueError(
                 "--scheduling-policy: coserve's TDGScheduler orders requests itself; use the default 'fcfs' "
@@ -92,6 +98,8 @@ class TDGScheduler(Scheduler):
         coserve_connector = find_connector(self.connector)  # alone, or inside MultiConnector on GPUs
         self._safepoint_min_step_s = coserve_connector.safepoint_min_step_s if coserve_connector is not None else 0.0
         self.num_steps_unchecked = 0  # steps predicted too short to need a safepoint
+        self.num_steps_transferring = 0  # steps run to their end because another connector moves KV in them
+        self._coserve_connector = coserve_connector
         if coserve_connector is not None:
             for child in getattr(self.connector, "_connectors", None) or ():  # inside vLLM's MultiConnector
                 if isinstance(child, CoServeConnector):
@@ -209,6 +217,8 @@ class TDGScheduler(Scheduler):
         abandoned = self.board is not None and metadata is not None and self.board.take_abandoned(metadata.step_id)
         if self.board is not None:
             self.board.clear_step()
+        if abandoned and metadata is not None and self._coserve_connector is not None:
+            self._coserve_connector.step_abandoned(metadata.step_id)  # its output still carries transfer results
         # each request's new tokens over its own context (read before finished requests are freed)
         pieces = self._pieces(scheduler_output) if self._trace is not None else []
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -289,6 +299,10 @@ class TDGScheduler(Scheduler):
             # NOTE: the same on every rank (it travels in the metadata), as the TP agreement needs
             metadata.safepoints = False
             self.num_steps_unchecked += 1
+        elif metadata.safepoints and sibling_transfer_work(output.kv_connector_metadata):
+            # another connector receives, sends or stores KV in this step: coserve cannot roll that back
+            metadata.safepoints = False
+            self.num_steps_transferring += 1
         self.board.post_step(PostedStep(metadata.step_id, now_s, predicted_s, min(ranks), self._num_layers))
 
     def _class_of(self, request_id: str) -> RequestClass:

@@ -45,6 +45,8 @@ from coserve.api.resource import API_VERSION, KIND, CoServePool
 from coserve.api.spec import (
     HF_TOKEN_ENV,
     OPERATOR_ENGINE_FLAGS,
+    V2_RUNNER_ENV,
+    V2_RUNNER_OFF,
     EngineSpec,
     KVOffloadBackend,
     ModelCacheSpec,
@@ -60,6 +62,7 @@ from coserve.api.status import Plan
 from coserve.gaie import HEALTH_PORT, LIVENESS_SERVICE, PICKER_PORT, READINESS_SERVICE
 from coserve.kv.handoff import Handoff, router_sends_transfer_params
 from coserve.scheduling.config import CONFIG_ENV
+from coserve.scheduling.preemption import safepoint_min_step_s
 
 __all__ = [
     "APP_NAME",
@@ -586,7 +589,11 @@ def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
     """
     offload = spec.kv_offload
     kv_role = _KV_ROLES[role]
-    extra: dict[str, Any] = {"coserve_config": ENGINE_CONFIG_PATH}
+    extra: dict[str, Any] = {
+        "coserve_config": ENGINE_CONFIG_PATH,
+        # steps predicted shorter than the exit-latency target run without safepoints (coserve.scheduling.preemption)
+        "safepoint_min_step_s": safepoint_min_step_s(_online_ttft_slos_s(spec)),
+    }
     if offload.enabled and offload.backend == KVOffloadBackend.HOST:
         extra["host_memory_bytes"] = offload.host_memory_bytes
     coserve = {
@@ -617,6 +624,12 @@ def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
     }
 
 
+def _online_ttft_slos_s(spec: SpecModel) -> list[float]:
+    """Every priority class's TTFT objective in seconds, but the offline class's when offline work is on."""
+    offline = spec.offline.class_name if spec.offline.enabled else None
+    return [cls.ttft_slo_ms / 1000 for cls in spec.priority_classes if cls.name != offline]
+
+
 def pool_handoff(spec: SpecModel) -> Handoff:
     """How the pool hands turn 1's KV from prefiller to decoder: NixlConnector when both roles run on GPUs.
 
@@ -634,6 +647,8 @@ def _engine_env(spec: SpecModel, role: EngineRole) -> list[Manifest]:
         {"name": "COSERVE_ROLE", "value": role},
         {"name": CONFIG_ENV, "value": ENGINE_CONFIG_PATH},
         {"name": "VLLM_PLUGINS", "value": "coserve"},
+        # vLLM 0.32 runs its V2 model runner on CUDA whenever Triton is installed; coserve's preemption needs V1
+        {"name": V2_RUNNER_ENV, "value": V2_RUNNER_OFF},
         _token_env(),
         *_nixl_side_channel_env(spec),
     ]
@@ -1297,7 +1312,7 @@ def _engine_network_policy(pool: CoServePool) -> Manifest:
     handoff) on any port, and from ``spec.engine.metricsScrapers`` on the engine port; nobody else.
 
     NOTE: any port, not ENGINE_PORT, for the pool's own pods: NixlConnector's handshake runs between the engines on
-    NIXL_SIDE_CHANNEL_PORT (plus the data-parallel rank, where a user's extraArgs ask for several), and its
+    NIXL_SIDE_CHANNEL_PORT (one data-parallel rank per engine: the spec refuses extraArgs that ask for several), and its
     transfers on ports UCX picks at run time.
 
     A peer with only a podSelector selects pods of the policy's own namespace; each scraper is a peer with a

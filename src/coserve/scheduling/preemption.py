@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from coserve.scheduling.cost_model import StepCostModel
 from coserve.scheduling.requests import SchedRequest
 
-__all__ = ["PreemptionDecision", "RunningStep", "should_preempt"]
+__all__ = ["EXIT_SHARE_OF_TTFT", "PreemptionDecision", "RunningStep", "safepoint_min_step_s", "should_preempt"]
+
+# An urgent first token may wait this share of its class's TTFT objective for a step to end on its own.
+EXIT_SHARE_OF_TTFT = 0.02
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,17 @@ def should_preempt(
     if now_s + layer_s + own_s > arrival.next_deadline_s:
         return PreemptionDecision(False, "deadline-missed-either-way")
     return PreemptionDecision(True, "deadline-at-risk")
+
+
+def safepoint_min_step_s(ttft_slos_s: Sequence[float]) -> float:
+    """The steps that need no safepoint: those the cost model predicts to end within this many seconds.
+
+    The exit-latency target is ``EXIT_SHARE_OF_TTFT`` of the tightest TTFT objective among the online classes
+    (``ttft_slos_s``; the offline class has none worth a wait): a step predicted to end sooner delays an urgent
+    first token by no more than that, so checking it buys nothing, while each check costs the step (on a GPU,
+    the run-ahead bound waits for the device at every safepoint). The scheduler compares each step's
+    prediction with it (``TDGScheduler._post_step``). Who calls it: the operator, which renders the value into
+    coserve's connector settings (``safepoint_min_step_s``) for every engine. 0 without online classes.
+    """
+    tightest = min((slo for slo in ttft_slos_s if slo > 0), default=0.0)
+    return round(EXIT_SHARE_OF_TTFT * tightest, 6)

@@ -64,6 +64,9 @@ from coserve.api.spec.disruption import (
     IntOrPercent,
 )
 from coserve.api.spec.engine import (
+    UNSUPPORTED_ENGINE_COUNTS,
+    UNSUPPORTED_ENGINE_FLAG_ALIASES,
+    UNSUPPORTED_ENGINE_FLAGS,
     EngineSpec,
     KVOffloadBackend,
     KVOffloadSpec,
@@ -121,6 +124,8 @@ from coserve.api.spec.reserved import (
     OPERATOR_MOUNT_PATHS,
     OPERATOR_VOLUMES,
     ROUTER_MOUNT_PATHS,
+    V2_RUNNER_ENV,
+    V2_RUNNER_OFF,
 )
 from coserve.api.spec.router import (
     RouterSpec,
@@ -158,6 +163,11 @@ __all__ = [
     "PERCENT_PATTERN",
     "QUANTITY_PATTERN",
     "ROUTER_MOUNT_PATHS",
+    "UNSUPPORTED_ENGINE_COUNTS",
+    "UNSUPPORTED_ENGINE_FLAGS",
+    "UNSUPPORTED_ENGINE_FLAG_ALIASES",
+    "V2_RUNNER_ENV",
+    "V2_RUNNER_OFF",
     "VOLUME_SOURCES",
     "AccessMode",
     "AutoscalingQueries",

@@ -6,6 +6,9 @@ from them, and ``coserve.provisioning.validation`` checks the KV offload setting
 
 extraArgs that set a flag the operator renders (``OPERATOR_ENGINE_FLAGS``) are refused here, by pydantic only:
 the API server accepts them, and ``coserve render``/``plan`` and the operator (PlanValid=False) name the item.
+So are extraArgs that turn on what coserve's layer-safepoint preemption does not support
+(``UNSUPPORTED_ENGINE_FLAGS``: speculative decoding; ``UNSUPPORTED_ENGINE_COUNTS`` over 1: data parallelism);
+the engine refuses to start with them too (``coserve.engine.in_flight``).
 NOTE: no CEL twin: reading an argument as vLLM does (underscores, ``=``, abbreviations) takes regexes over up to
 256 strings of unbounded length, whose estimated cost can make the API server refuse the whole CRD, and no API
 server runs here to check it.
@@ -13,6 +16,7 @@ server runs here to check it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Self
 
@@ -27,34 +31,112 @@ from coserve.api.spec.volumes import _mount_rule, _unnamed_volumes
 
 # every option string vLLM reads as a flag the operator renders -> that flag
 _OPERATOR_OPTIONS: dict[str, str] = {**{flag: flag for flag in OPERATOR_ENGINE_FLAGS}, **OPERATOR_ENGINE_FLAG_ALIASES}
+
+_SPECULATIVE = (
+    "speculative decoding drafts tokens inside the sampling step with the KV connector bound, where a layer "
+    "safepoint would kill the engine; coserve refuses it"
+)
+_DATA_PARALLEL = (
+    "each data-parallel rank is an engine core of its own, and the request validator reaches only one safepoint "
+    "board; run more decoder replicas instead"
+)
+# vLLM 0.32 flags that turn on what coserve's layer-safepoint preemption does not support (flag -> why), refused in
+# extraArgs whatever their value: each turns speculative decoding on.
+UNSUPPORTED_ENGINE_FLAGS: dict[str, str] = {
+    "--speculative-config": _SPECULATIVE,
+    "--spec-method": _SPECULATIVE,
+    "--spec-model": _SPECULATIVE,
+    "--spec-tokens": _SPECULATIVE,
+}
+# vLLM 0.32 flags that count data-parallel ranks (flag -> why): refused in extraArgs with a value over 1 (vLLM's
+# default is 1; vLLM refuses less itself), without a value in the same list, or with one coserve cannot read as a
+# number (Kubernetes expands $(VAR) in args).
+UNSUPPORTED_ENGINE_COUNTS: dict[str, str] = {
+    "--data-parallel-size": _DATA_PARALLEL,
+    "--data-parallel-size-local": _DATA_PARALLEL,
+}
+# vLLM's short options for those flags (option -> the flag), refused as the flag is
+UNSUPPORTED_ENGINE_FLAG_ALIASES: dict[str, str] = {
+    "-sc": "--speculative-config",
+    "-dp": "--data-parallel-size",
+    "-dpl": "--data-parallel-size-local",
+}
+_UNSUPPORTED_OPTIONS: dict[str, str] = {
+    **{flag: flag for flag in (*UNSUPPORTED_ENGINE_FLAGS, *UNSUPPORTED_ENGINE_COUNTS)},
+    **UNSUPPORTED_ENGINE_FLAG_ALIASES,
+}
+
 _REFUSED_ARGS = (
     f"The flags the operator sets ({', '.join(_OPERATOR_OPTIONS)}) are refused, in any spelling vLLM reads "
-    "(--flag=value, _ for -, an abbreviation, --flag.key for a JSON flag): vLLM keeps a repeated flag's last value."
+    "(--flag=value, _ for -, an abbreviation, --flag.key for a JSON flag): vLLM keeps a repeated flag's last value. "
+    "So is what coserve's layer-safepoint preemption does not support: speculative decoding "
+    f"({', '.join(option for option, flag in _UNSUPPORTED_OPTIONS.items() if flag in UNSUPPORTED_ENGINE_FLAGS)}) "
+    "and data parallelism over 1 "
+    f"({', '.join(option for option, flag in _UNSUPPORTED_OPTIONS.items() if flag in UNSUPPORTED_ENGINE_COUNTS)}; "
+    "run more decoder replicas instead)."
 )
 
 
-def _operator_flag(arg: str) -> str | None:
-    """The flag of ``OPERATOR_ENGINE_FLAGS`` that the vLLM argument ``arg`` sets, or ``None``.
+def _option_name(arg: str) -> str | None:
+    """The option string that the vLLM argument ``arg`` names, as vLLM's ``FlexibleArgumentParser`` reads it, or
+    ``None`` for an argument that names none (a value).
 
-    Read as vLLM's ``FlexibleArgumentParser`` reads it: ``--flag=value`` and ``--flag.key`` (a key of a JSON
-    flag) name ``--flag``; ``_`` in a long flag's name is ``-``; and argparse takes an abbreviation, a prefix of
-    one option, for that option. A prefix of several (which vLLM refuses itself) is refused too.
+    ``--flag=value`` and ``--flag.key`` (a key of a JSON flag; ``-sc.key`` too) name ``--flag``, and ``_`` in a
+    long flag's name is ``-``.
     """
-    name = arg.split("=", 1)[0]
-    if name.startswith("--"):
-        name = "--" + name[2:].split(".", 1)[0].replace("_", "-")
+    head = arg.split("=", 1)[0].split(".", 1)[0]
+    name = "--" + head[2:].replace("_", "-") if head.startswith("--") else head
     if not name.startswith("-") or name in ("-", "--"):
         return None
-    return next((flag for option, flag in _OPERATOR_OPTIONS.items() if option.startswith(name)), None)
+    return name
+
+
+def _flag_of(name: str, options: Mapping[str, str]) -> str | None:
+    """The flag of ``options`` (option string -> flag) that the option string ``name`` sets, or ``None``.
+
+    ``name`` itself, or, as argparse takes an abbreviation (a prefix of one option) for that option, the option it
+    is a prefix of. A prefix of several (which vLLM refuses itself) names the first.
+    """
+    if name in options:
+        return options[name]
+    return next((flag for option, flag in options.items() if option.startswith(name)), None)
+
+
+def _count_problem(args: Sequence[str], index: int, flag: str) -> str | None:
+    """Why the data-parallel count ``args[index]`` sets (``--flag=value``, or ``--flag`` then the value) is refused,
+    or ``None`` for 1 (or less, which vLLM refuses itself). vLLM reads the value with ``int``, as here."""
+    arg = args[index]
+    value = arg.split("=", 1)[1] if "=" in arg else (args[index + 1] if index + 1 < len(args) else None)
+    why = UNSUPPORTED_ENGINE_COUNTS[flag]
+    if value is None:
+        return f"'{flag}' is supported by coserve only at 1, and its value must follow it in the same list ({why})"
+    try:
+        count = int(value)
+    except ValueError:
+        return f"'{flag}' is supported by coserve only at 1, not {value!r} ({why})"
+    return None if count <= 1 else f"'{flag}' is supported by coserve only at 1, not {count} ({why})"
+
+
+def _arg_problem(args: Sequence[str], index: int) -> str | None:
+    """Why the item ``args[index]`` of an ``extraArgs`` list is refused, or ``None``."""
+    name = _option_name(args[index])
+    if name is None:
+        return None
+    if (flag := _flag_of(name, _OPERATOR_OPTIONS)) is not None:
+        return f"'{flag}' is set by coserve ({OPERATOR_ENGINE_FLAGS[flag]})"
+    flag = _flag_of(name, _UNSUPPORTED_OPTIONS)
+    if flag in UNSUPPORTED_ENGINE_FLAGS:
+        return f"'{flag}' is not supported by coserve ({UNSUPPORTED_ENGINE_FLAGS[flag]})"
+    if flag in UNSUPPORTED_ENGINE_COUNTS:
+        return _count_problem(args, index, flag)
+    return None
 
 
 def _refuse_operator_flags(args: list[str] | None) -> None:
-    """Refuse each item of an ``extraArgs`` list that sets a flag the operator renders, naming its index."""
-    problems = [
-        ((index,), f"'{flag}' is set by coserve ({OPERATOR_ENGINE_FLAGS[flag]})", arg)
-        for index, arg in enumerate(args or ())
-        if (flag := _operator_flag(arg)) is not None
-    ]
+    """Refuse each item of an ``extraArgs`` list that sets a flag the operator renders, or turns on what coserve's
+    preemption does not support, naming its index."""
+    args = args or []
+    problems = [((index,), reason, arg) for index, arg in enumerate(args) if (reason := _arg_problem(args, index))]
     if problems:
         _fail(problems)
 

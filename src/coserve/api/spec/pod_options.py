@@ -18,7 +18,7 @@ from coserve.api.spec._rules import _cel, _cel_list, _check_unique, _fail, _list
 from coserve.api.spec.core import DNS_SUBDOMAIN_PATTERN, MAX_LABEL_KEY_LENGTH, LabelValue, _label_key_problem
 from coserve.api.spec.env import EnvFromSource, EnvVar
 from coserve.api.spec.placement import TopologySpreadConstraint
-from coserve.api.spec.reserved import OPERATOR_LABELS, OPERATOR_VOLUMES
+from coserve.api.spec.reserved import OPERATOR_ENV_NAMES, OPERATOR_ENV_PREFIX, OPERATOR_LABELS, OPERATOR_VOLUMES
 from coserve.api.spec.volumes import Volume, VolumeMount
 
 # list field -> (the keys no two items may share, what an error calls them): the pydantic twins of the CRD's
@@ -63,8 +63,8 @@ class PodOptions(ApiModel):
         max_length=128,
         json_schema_extra=_list_map("name"),
         description="env are environment variables of the main container (vLLM in engine pods and their "
-        "model-download init container; the router), after the operator's own. Names starting with COSERVE_, "
-        "VLLM_PLUGINS, POD_NAMESPACE, HF_HUB_CACHE, HF_HUB_OFFLINE and, with model.hfTokenSecretRef, "
+        "model-download init container; the router), after the operator's own. Names starting with "
+        f"{OPERATOR_ENV_PREFIX}, {', '.join(OPERATOR_ENV_NAMES)} and, with model.hfTokenSecretRef, "
         "HF_TOKEN are the operator's.",
     )
     env_from: list[EnvFromSource] | None = Field(

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 OPERATOR_VOLUMES = ("config", "dshm", "router-token", "tmp", "batches", "model-cache", "picker-tls")
 OPERATOR_ENV_PREFIX = "COSERVE_"
-OPERATOR_ENV_NAMES = ("VLLM_PLUGINS", "POD_NAMESPACE", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
+# vLLM 0.32 picks its V2 model runner on CUDA whenever Triton is installed; coserve's preemption needs V1
+# (coserve.engine.in_flight says why). coserve.operator.resources renders V2_RUNNER_ENV=V2_RUNNER_OFF for every
+# engine and the env models refuse a user's entry of that name; an engine started without it refuses to start.
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+V2_RUNNER_OFF = "0"
+OPERATOR_ENV_NAMES = ("VLLM_PLUGINS", V2_RUNNER_ENV, "POD_NAMESPACE", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
 HF_TOKEN_ENV = "HF_TOKEN"  # noqa: S105 - a variable's name, not a secret
 OPERATOR_LABELS = (
     "app.kubernetes.io/name",
