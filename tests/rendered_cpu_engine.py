@@ -153,6 +153,14 @@ class RenderedEngine:
         self.launch = local_launch(self.container, substitutions)
         assert "--dtype" not in self.launch.argv, "the rendering sets a dtype: substitute it instead of adding one"
         self.argv = [*self.launch.argv, "--dtype", "float32"]
+        # The tiny model's steps are all shorter than the rendered safepoint threshold (safepoint_min_step_s, 2 % of
+        # the tightest TTFT objective) by the pool's cost model: 0 here, so that its steps are checked at all.
+        at = self.argv.index("--kv-transfer-config") + 1
+        transfer = json.loads(self.argv[at])
+        for connector in [transfer, *transfer.get("kv_connector_extra_config", {}).get("connectors", [])]:
+            if connector.get("kv_connector") == "CoServeConnector":
+                connector.setdefault("kv_connector_extra_config", {})["safepoint_min_step_s"] = 0.0
+        self.argv[at] = json.dumps(transfer)
         self.command = pod[0].wrap(pod[1], self.argv) if pod is not None else self.argv
         self.env = {
             **os.environ,
