@@ -7,11 +7,13 @@ code too) substituting only:
 - the model (an HF id) → the tiny random-weight Llama (no downloads);
 - ``--port`` → a free port, plus ``--host 127.0.0.1``, and ``--dtype float32`` (see test_render_parity.py);
 - ``--worker-cls coserve.engine.worker.SafepointGPUWorker`` → ``SafepointCPUWorker`` (no CUDA);
-- inside MultiConnector, ``NixlConnector``: for the pool topology test (``pod=``) it is kept, vLLM's real
-  connector over the PyPI ``nixl`` packages' UCX backend, with only ``kv_buffer_device: cpu`` added (the KV
-  lives in host memory here), and each engine runs in its own network namespace with its pod IP as
-  ``--host`` and in the variables the downward API fills from ``status.podIP`` (``pod_network.py``);
-  elsewhere it becomes vLLM's ``ExampleConnector`` in the same position with the same ``kv_role``;
+- inside MultiConnector, ``NixlConnector`` is kept, vLLM's real connector over the PyPI ``nixl`` packages'
+  UCX backend, with only ``kv_buffer_device: cpu`` added (the KV lives in host memory here). For the pool
+  topology test (``pod=``) each engine runs in its own network namespace with its pod IP as ``--host`` and
+  in the variables the downward API fills from ``status.podIP`` (``pod_network.py``); an engine alone
+  listens on 127.0.0.1 and NIXL's side channel on vLLM's default host. (A stand-in such as vLLM's
+  ``ExampleConnector`` would not do: it stores every new prompt, which NIXL on a decoder does not, and
+  coserve runs a step in which another connector stores KV to its end, never abandoning it);
 - the ConfigMap mount ``/etc/coserve`` → a folder holding the rendered ConfigMap's files;
 - the router-token Secret mount → a folder holding a token (the operator generates the real one);
 - any other volume the caller names (``mounts=``, e.g. the model cache) → the folder it gives.
@@ -42,7 +44,6 @@ from coserve.engine.rendered import (
     Substitutions,
     config_files,
     engine_container,
-    example_connector,
     local_launch,
 )
 from coserve.engine.safepoint import SafepointBoard
@@ -122,9 +123,8 @@ def cpu_variant(document: dict[str, Any]) -> dict[str, Any]:
 class RenderedEngine:
     """A rendered engine (the decoder unless ``role`` says otherwise), launched with only the module
     docstring's substitutions. ``pod``: a pod network and this engine's pod in it; when given, the engine
-    runs there with vLLM's real NixlConnector (the topology test), else with vLLM's ExampleConnector in
-    NixlConnector's place. ``mounts``: volume name -> folder, for volumes beyond the ConfigMap and the
-    router token."""
+    runs there (the topology test), else on 127.0.0.1. ``mounts``: volume name -> folder, for volumes beyond
+    the ConfigMap and the router token."""
 
     def __init__(
         self, objects: list[dict[str, Any]], model: Path, workdir: Path, role: str = "decoder",
@@ -147,7 +147,6 @@ class RenderedEngine:
         volumes = {"config": config_dir, "router-token": token_dir, **(mounts or {})}
         substitutions = Substitutions(
             model=str(model), port=self.port, mounts=volumes, worker_cls=CPU_WORKER,
-            nixl=example_connector(workdir / "kv") if pod is None else None,
             pod_ip=pod_ip, nixl_settings={"kv_buffer_device": "cpu"},
         )  # fmt: skip
         self.launch = local_launch(self.container, substitutions)

@@ -14,8 +14,8 @@ Substituted, because it cannot exist on this machine (and nothing else), by
 - the model (an HF id) → the tiny random-weight Llama, same max length (no downloads);
 - ``--port`` → a free port, plus ``--host 127.0.0.1``;
 - ``--worker-cls coserve.engine.worker.SafepointGPUWorker`` → ``SafepointCPUWorker`` (no CUDA);
-- inside MultiConnector, ``NixlConnector`` → vLLM's ``ExampleConnector`` (it runs on CPUs),
-  in the same position with the same ``kv_role`` (NIXL needs RDMA/UCX and GPUs);
+- inside MultiConnector, ``NixlConnector`` is kept (vLLM's real one, over the ``nixl`` packages' UCX
+  backend) with ``kv_buffer_device: cpu`` added, since the KV lives in host memory here;
 - the ConfigMap mount ``/etc/coserve`` → a folder holding the rendered ConfigMap's files;
 - the router-token Secret mount ``/etc/coserve-token`` → a folder holding a token (the operator generates
   the real one when it creates the Secret). Requests that stand for the router's carry it, as the router does.
