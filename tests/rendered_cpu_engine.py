@@ -24,7 +24,6 @@ Used by tests/engine/test_render_parity.py (one engine) and test_topology_parity
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import subprocess
@@ -45,9 +44,12 @@ from coserve.engine.rendered import (
     config_files,
     engine_container,
     local_launch,
+    without_gpus,
 )
 from coserve.engine.safepoint import SafepointBoard
 from pod_network import PodNetwork
+
+cpu_variant = without_gpus  # the same pool on nodes without GPUs (the operator's CPU rendering)
 
 __all__ = ["RenderedEngine", "cpu_variant", "render"]
 
@@ -107,17 +109,6 @@ def render(document: dict[str, Any]) -> list[dict[str, Any]]:
         check=True,
     )
     return list(json.loads(result.stdout)["items"])
-
-
-def cpu_variant(document: dict[str, Any]) -> dict[str, Any]:
-    """The same pool on nodes without GPUs: no ``nvidia.com/gpu`` anywhere in the engine's resources."""
-    out = copy.deepcopy(document)
-    engine = out["spec"].setdefault("engine", {})
-    engine.setdefault("resources", {"limits": {"nvidia.com/gpu": 1}})  # the API's default
-    for section in (engine, engine.get("prefiller") or {}, engine.get("decoder") or {}):
-        for kind in ("limits", "requests"):
-            (section.get("resources") or {}).get(kind, {}).pop("nvidia.com/gpu", None)
-    return out
 
 
 class RenderedEngine:

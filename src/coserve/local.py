@@ -4,12 +4,17 @@ Who calls it: the ``coserve up`` command, and the README's main job. It reads a
 CoServePool manifest, prints the plan, then starts what the operator would run
 in a cluster, scaled to one machine: ``--prefillers`` (default 1) prefiller and
 ``--decoders`` (default 1) decoder vLLM engines with coserve's plugin, and the
-router in front of them. Engines run the manifest's model when it is a local
-folder (or ``--model PATH``); otherwise a tiny random-weight model, so the pool
-runs on CPUs with no download. The prefillers hand turn 1's KV to the decoders
-through a ``/dev/shm`` directory of the pool's own (``handoff_backend: shm``);
-decoders keep a host KV pool (``spec.kvOffload.hostMemoryBytes`` when enabled,
-else 512 MiB).
+router in front of them. Each engine runs the command line, environment and
+ConfigMap files the operator renders for its role on nodes without GPUs (one
+function, ``coserve.operator.resources.build_children``, so a local pool and a
+cluster pool cannot drift), through ``coserve.engine.rendered.local_launch``
+with only what one machine needs changed: the model, the port, the ConfigMap
+folder, no router token, and the KV moves below. Engines run the manifest's
+model when it is a local folder (or ``--model PATH``); otherwise a tiny
+random-weight model, so the pool runs on CPUs with no download. The prefillers
+hand turn 1's KV to the decoders through a ``/dev/shm`` directory of the pool's
+own (``handoff_backend: shm``); decoders keep a host KV pool
+(``spec.kvOffload.hostMemoryBytes`` when enabled, else 512 MiB).
 
 It shows progress while the engines start, prints the OpenAI base URL, and
 stops every process on Ctrl-C or SIGTERM. ``--once`` instead sends one
@@ -34,10 +39,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from coserve.api import parse_pool
 from coserve.api.resource import CoServePool
+from coserve.api.status import Plan
 from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.engine.rendered import Substitutions, config_files, engine_container, local_launch, without_gpus
 from coserve.kv.handoff import Handoff, router_sends_transfer_params
-from coserve.operator.resources import engine_config
+from coserve.operator.resources import CONFIG_VOLUME, build_children, engine_config
 
 __all__ = ["prefix_hits", "run_local_pool"]
 
@@ -70,6 +78,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 def run_local_pool(
     pool: CoServePool,
+    plan: Plan,
     *,
     model: Path | None,
     prefillers: int,
@@ -82,31 +91,29 @@ def run_local_pool(
     name = pool.metadata.name
     print(f"\non this machine: {prefillers} prefiller(s) and {decoders} decoder(s), and the router", flush=True)
     model_path = model or _local_model(spec.model.name)
-    served = "tiny" if model_path.name.startswith("tiny-llama") else (spec.model.served_model_name or spec.model.name)
+    served = spec.model.served_model_name or spec.model.name
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"coserve-up-{name}-"))
     handoff = Path("/dev/shm") / f"coserve-{name}-{uuid.uuid4().hex[:8]}"  # noqa: S108 - the handoff's own directory
     handoff.mkdir(parents=True)
+    objects = _cpu_rendering(pool, plan)
+    config_dir = workdir / "etc-coserve"  # the ConfigMap's files, where the engines' config volume is mounted
+    config_dir.mkdir(parents=True, exist_ok=True)
+    for file_name, text in config_files(objects).items():
+        (config_dir / file_name).write_text(text)
     config = engine_config(spec)
     host_bytes = spec.kv_offload.host_memory_bytes if spec.kv_offload.enabled else DEFAULT_HOST_POOL_BYTES
     common: dict[str, Any] = {"handoff_backend": Handoff.SHM.value, "handoff_path": str(handoff)}
-    roles = [("prefiller", i, {**common}, "kv_producer") for i in range(prefillers)]
-    roles += [("decoder", i, {**common, "host_memory_bytes": host_bytes}, "kv_consumer") for i in range(decoders)]
+    roles = [("prefiller", i, {**common}) for i in range(prefillers)]
+    roles += [("decoder", i, {**common, "host_memory_bytes": host_bytes}) for i in range(decoders)]
     urls: dict[str, list[str]] = {"prefiller": [], "decoder": []}
     with _terminate_as_interrupt(), ExitStack() as stack:
         try:
-            for role, index, kv, kv_role in roles:
+            for role, index, kv in roles:
                 started = time.monotonic()
                 _say(f"starting {role} {index + 1} ({model_path.name}); this takes about 30-60 s on CPUs")
-                settings = EngineSettings(
-                    model=model_path,
-                    workdir=workdir / f"{role}-{index}",
-                    engine_config=config,
-                    served_model_name=served,
-                    max_model_len=8192,
-                    kv=kv,
-                    kv_role=kv_role,
-                )
-                server = stack.enter_context(EngineServer(settings))
+                settings = EngineSettings(model=model_path, workdir=workdir / f"{role}-{index}")
+                server = RenderedServer(settings, engine_container(objects, role), config_dir, kv)
+                stack.enter_context(server)
                 urls[role].append(server.base)
                 _say(f"{role} {index + 1} ready at {server.base} in {time.monotonic() - started:.0f} s")
             router_config = {
@@ -127,6 +134,42 @@ def run_local_pool(
             _say("shutting the engines down")
             stack.close()
             shutil.rmtree(handoff, ignore_errors=True)
+
+
+def _cpu_rendering(pool: CoServePool, plan: Plan) -> list[dict[str, Any]]:
+    """What the operator renders for ``pool`` on nodes without GPUs (this machine's platform), sized by ``plan``."""
+    document = pool.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return build_children(parse_pool(without_gpus(document)), plan)
+
+
+class RenderedServer(EngineServer):
+    """An engine started from its rendered container (``local_launch``), with coserve up's local settings.
+
+    ``kv``: added to coserve's connector settings (the shm handoff, the host pool), since on CPU nodes the
+    operator renders no KV transport between engines, and one machine has one.
+    """
+
+    def __init__(self, settings: EngineSettings, container: dict[str, Any], config_dir: Path, kv: dict[str, Any]):
+        super().__init__(settings)
+        substitutions = Substitutions(
+            model=str(settings.model),
+            port=self.port,
+            mounts={CONFIG_VOLUME: config_dir},
+            router_token=False,  # the local router sends none: each request's class is trusted, as it says
+            coserve_settings=kv,
+        )
+        self.launch = local_launch(container, substitutions)
+
+    def command(self) -> list[str]:
+        return self.launch.argv
+
+    def environment(self, config: Path) -> dict[str, str]:
+        return {
+            **os.environ,
+            **self.launch.env,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_CI_ENV": "1",  # eager: an engine starts in 30-60 s instead of compiling for minutes
+        }
 
 
 def _local_model(name: str) -> Path:

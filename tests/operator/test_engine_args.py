@@ -30,6 +30,7 @@ from coserve.api import parse_pool
 from coserve.api.parse import parse_profile
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.spec import OPERATOR_ENGINE_FLAGS, V2_RUNNER_ENV, V2_RUNNER_OFF
+from coserve.engine.rendered import without_gpus
 from coserve.operator.reconcile import reconcile
 from coserve.operator.resources import ENGINE_CONTAINER, NIXL_SIDE_CHANNEL_PORT, build_children, engine_args
 from coserve.provisioning import plan_for
@@ -91,17 +92,6 @@ def test_every_engine_role_runs_without_async_scheduling(engine: str, role: str)
 # --- the V1 model runner --------------------------------------------------------------------------
 
 EXAMPLE_POOLS = sorted(EXAMPLES.glob("pool*.yaml"))
-
-
-def without_gpus(document: dict[str, Any]) -> dict[str, Any]:
-    """The pool with no ``nvidia.com/gpu`` in any engine resources: CPU prefillers and decoders."""
-    out = copy.deepcopy(document)
-    engine = out["spec"].setdefault("engine", {})
-    engine.setdefault("resources", {"limits": {"nvidia.com/gpu": 1}})  # the API's default
-    for section in (engine, engine.get("prefiller") or {}, engine.get("decoder") or {}):
-        for amounts in (section.get("resources") or {}).values():
-            amounts.pop("nvidia.com/gpu", None)
-    return out
 
 
 def test_the_model_runner_variable_is_the_one_vllm_reads() -> None:

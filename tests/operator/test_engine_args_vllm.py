@@ -17,7 +17,6 @@ capture). It shows that:
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from coserve.api.spec import (
     V2_RUNNER_ENV,
     V2_RUNNER_OFF,
 )
+from coserve.engine.rendered import without_gpus
 from coserve.operator.resources import build_children
 from coserve.provisioning import plan_for
 
@@ -134,24 +134,13 @@ def spellings(option: str) -> list[list[str]]:
     return forms
 
 
-def cpu_variant(document: dict[str, Any]) -> dict[str, Any]:
-    """The pool without ``nvidia.com/gpu`` anywhere in the engines' resources."""
-    out = copy.deepcopy(document)
-    engine = out["spec"].setdefault("engine", {})
-    engine.setdefault("resources", {"limits": {"nvidia.com/gpu": 1}})  # the API's default
-    for section in (engine, engine.get("prefiller") or {}, engine.get("decoder") or {}):
-        for amounts in (section.get("resources") or {}).values():
-            amounts.pop("nvidia.com/gpu", None)
-    return out
-
-
 def rendered_args() -> dict[str, list[str]]:
     """``example/variant/role`` -> the engine container's args, for every pool example, on GPUs and CPUs."""
     profile = parse_profile(yaml.safe_load((EXAMPLES / "profile.yaml").read_text()))
     out = {}
     for path in sorted(EXAMPLES.glob("pool*.yaml")):
         document = yaml.safe_load(path.read_text())
-        for variant, pool_document in (("gpu", document), ("cpu", cpu_variant(document))):
+        for variant, pool_document in (("gpu", document), ("cpu", without_gpus(document))):
             pool = parse_pool(pool_document)
             for child in build_children(pool, plan_for(pool.spec, profile)):
                 if child["kind"] == "Deployment" and child["metadata"]["labels"]["coserve.dev/role"] != "router":

@@ -168,6 +168,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     return run_local_pool(
         pool,
+        plan,
         model=Path(args.model) if args.model else None,
         prefillers=args.prefillers,
         decoders=args.decoders,

@@ -25,6 +25,7 @@ what its backend needs. Pure: nothing here starts a process or touches a file.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import sys
@@ -47,6 +48,7 @@ __all__ = [
     "local_launch",
     "substitute_transfer",
     "substitution_notes",
+    "without_gpus",
 ]
 
 API_SERVER = ("python3", "-m", "vllm.entrypoints.openai.api_server")  # every rendered engine's command
@@ -54,6 +56,7 @@ HOST = "127.0.0.1"
 COSERVE_CONNECTOR = "CoServeConnector"
 NIXL_CONNECTOR = "NixlConnector"
 TRANSFER_FLAG = "--kv-transfer-config"
+GPU_RESOURCE = "nvidia.com/gpu"
 
 
 def engine_container(objects: Sequence[Mapping[str, Any]], role: str) -> dict[str, Any]:
@@ -85,6 +88,18 @@ def example_connector(storage: Path) -> dict[str, Any]:
     return {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
 
 
+def without_gpus(document: Mapping[str, Any]) -> dict[str, Any]:
+    """A CoServePool manifest with no ``nvidia.com/gpu`` in any engine resources (the API's default asks for one):
+    what the operator renders for CPU nodes, and what ``coserve up`` runs on this machine."""
+    out = copy.deepcopy(dict(document))
+    engine = out["spec"].setdefault("engine", {})
+    engine.setdefault("resources", {"limits": {GPU_RESOURCE: 1}})  # the API's default
+    for section in (engine, engine.get("prefiller") or {}, engine.get("decoder") or {}):
+        for amounts in (section.get("resources") or {}).values():
+            amounts.pop(GPU_RESOURCE, None)
+    return out
+
+
 def connector_names(transfer: Mapping[str, Any]) -> list[str]:
     """The connectors a kv-transfer config runs, in order: MultiConnector's children, or the one it names."""
     children = (transfer.get("kv_connector_extra_config") or {}).get("connectors") or [transfer]
@@ -105,6 +120,7 @@ class Substitutions:
     router_token: bool = True  # False: ROUTER_TOKEN_FILE_ENV is left out of the environment
     pod_ip: str | None = None  # the pod's IP: --host, and each variable the downward API sets from status.podIP
     nixl_settings: Mapping[str, Any] = field(default_factory=dict)  # added to a NixlConnector that is kept
+    coserve_settings: Mapping[str, Any] = field(default_factory=dict)  # added to coserve's connector settings
 
 
 @dataclass
@@ -178,6 +194,8 @@ def substitution_notes(container: Mapping[str, Any], subs: Substitutions) -> lis
         notes.append(f"{NIXL_CONNECTOR} -> {subs.nixl['kv_connector']} (same position, same kv_role)")
     if not subs.safepoints:
         notes.append(f'"safepoints": false in {COSERVE_CONNECTOR}\'s settings')
+    if subs.coserve_settings:
+        notes.append(f"{COSERVE_CONNECTOR} + {json.dumps(dict(subs.coserve_settings), sort_keys=True)}")
     return notes
 
 
@@ -198,8 +216,9 @@ def _substituted(flag: str, value: str | None, subs: Substitutions) -> str | Non
 
 def _connector(connector: Mapping[str, Any], subs: Substitutions) -> dict[str, Any]:
     out = dict(connector)
-    if out.get("kv_connector") == COSERVE_CONNECTOR and not subs.safepoints:
-        out["kv_connector_extra_config"] = {**(out.get("kv_connector_extra_config") or {}), "safepoints": False}
+    if out.get("kv_connector") == COSERVE_CONNECTOR and (subs.coserve_settings or not subs.safepoints):
+        settings = {**(out.get("kv_connector_extra_config") or {}), **subs.coserve_settings}
+        out["kv_connector_extra_config"] = settings if subs.safepoints else {**settings, "safepoints": False}
     if out.get("kv_connector") == NIXL_CONNECTOR and subs.nixl is None:
         out |= subs.nixl_settings
     if out.get("kv_connector") == NIXL_CONNECTOR and subs.nixl is not None:
