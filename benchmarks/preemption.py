@@ -17,7 +17,11 @@ Two results, each against a baseline measured in the same run:
     such token (what iteration granularity makes it wait for). Every arm takes
     ``--samples`` (200) arrivals, so the p99 comes from 200 observations.
     Target: p99 exit latency <= 1.5 x one layer's time, and >= 8x lower than
-    stock's at the same budget, at p99.
+    stock's at the same budget, at p99. A third coserve arm adds a connector that stores KV beside
+    coserve's (vLLM's ExampleConnector in a MultiConnector, as vLLM's OffloadingConnector or LMCache
+    would be rendered): coserve runs a step in which another connector stores KV to its end, since
+    it cannot roll that work back, so this arm shows what that costs the exit latency (here, the
+    first 256-token step of every 2048-token offline prompt). It is reported, not judged.
 
 ``safepoint_overhead``
     Throughput of a saturated engine (steady offline prefills of fresh
@@ -62,6 +66,7 @@ from harness.results import Table, ratio, show, write_result
 from harness.stats import PairedOverhead, reportable_percentile, say
 
 from coserve.engine.launch import EngineServer
+from coserve.engine.rendered import example_connector
 from coserve.engine.safepoint import SafepointBoard, board_name
 from coserve.engine.safepoint import safepoint_counters as read_safepoint_counters
 
@@ -461,6 +466,10 @@ def main() -> int:
         with EngineServer(coserve_settings(model, workdir, config)) as server:
             say(f"[coserve] measuring preemption latency ({args.samples} preempting arrivals)")
             results["coserve"] = measure_latency(server, args.samples, args.seed, gap)
+        storing = [example_connector(workdir / "stored-kv")]
+        with EngineServer(coserve_settings(model, workdir, config, kv_siblings=storing)) as server:
+            say(f"[coserve + storing sibling] measuring preemption latency ({args.samples} preempting arrivals)")
+            results["coserve_storing"] = measure_latency(server, args.samples, args.seed, gap)
         for budget in STOCK_BUDGETS:
             with EngineServer(stock_settings(model, workdir, budget, "priority")) as server:
                 say(f"[stock b{budget}] measuring urgent latency ({args.samples} arrivals)")
@@ -529,6 +538,7 @@ def write_latency(results: dict[str, dict[str, Any]], layers: int, common: dict[
     exit_on = summary(on["exit_s"])
     p99_on = exit_on["p99"]
     rows = {"coserve": on, **{k: v for k, v in results.items() if k != "coserve"}}
+    storing = results.get("coserve_storing")
     sums = {k: {"exit": summary(v["exit_s"]), "ttft": summary(v["ttft_s"])} for k, v in rows.items()}
     p99_same = sums[f"stock_b{STOCK_BUDGETS[0]}"]["exit"]["p99"]
     p99_ratio = ratio(p99_same, p99_on)
@@ -582,6 +592,17 @@ def write_latency(results: dict[str, dict[str, Any]], layers: int, common: dict[
                 ),
             },
             "p99_exit_ratio_stock_over_coserve": p99_ratio,
+            **(
+                {
+                    "with_storing_sibling": {
+                        **arm("coserve_storing", storing, "MultiConnector: coserve's, then ExampleConnector"),
+                        "p99_exit_ratio_over_coserve": ratio(sums["coserve_storing"]["exit"]["p99"], p99_on),
+                        "p50_exit_ratio_over_coserve": ratio(sums["coserve_storing"]["exit"]["p50"], exit_on["p50"]),
+                    }
+                }
+                if storing is not None
+                else {}
+            ),
             "urgent_arrival_gap_s": "uniform in [0.2, 0.6] after the previous urgent request's first token",
             **common,
         },

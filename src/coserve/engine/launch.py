@@ -47,6 +47,8 @@ class EngineSettings:
     # KV offload / handoff settings (coserve.kv.config) and the connector's role
     kv: dict[str, Any] = field(default_factory=dict)
     kv_role: str = "kv_both"
+    # other KV connectors after coserve's, in vLLM's MultiConnector (as the operator renders GPU engines)
+    kv_siblings: list[dict[str, Any]] = field(default_factory=list)
     # vLLM's dev endpoints (POST /reset_prefix_cache): tests and benchmarks evict KV with them
     dev_mode: bool = False
     served_model_name: str = "tiny"
@@ -105,13 +107,21 @@ class EngineServer:
             "0",
         ]
         if s.coserve:
-            transfer = {
+            transfer: dict[str, Any] = {
                 "kv_connector": "CoServeConnector",
                 "kv_connector_module_path": "coserve.engine.connector",
                 "kv_role": s.kv_role,
                 "engine_id": self.engine_id,
                 "kv_connector_extra_config": {"safepoints": s.safepoints, **s.kv},
             }
+            if s.kv_siblings:
+                siblings = [{"kv_role": s.kv_role, **sibling} for sibling in s.kv_siblings]
+                transfer = {
+                    "kv_connector": "MultiConnector",
+                    "kv_role": s.kv_role,
+                    "engine_id": self.engine_id,
+                    "kv_connector_extra_config": {"connectors": [transfer, *siblings]},
+                }
             args += [
                 "--scheduler-cls",
                 "coserve.engine.scheduler.TDGScheduler",
