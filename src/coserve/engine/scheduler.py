@@ -339,7 +339,7 @@ class TDGScheduler(Scheduler):
                     sharers.append(req_id)
                     break
         self.kv_cache_manager.block_pool.evict_blocks(stale_block_ids)
-        coserve_connector = find_connector(self.connector)
+        coserve_connector = self._coserve_connector
         if coserve_connector is not None and coserve_connector.planner is not None:
             coserve_connector.planner.roll_back(before)  # its blocks past `before` are copied out once recomputed
         for req_id in scheduled:
