@@ -115,6 +115,8 @@ class EngineServer:
                 "kv_connector_extra_config": {"safepoints": s.safepoints, **s.kv},
             }
             if s.kv_siblings:
+                # NOTE: MultiConnector gives each child its own engine_id; a child that names one too is refused
+                transfer.pop("engine_id")
                 siblings = [{"kv_role": s.kv_role, **sibling} for sibling in s.kv_siblings]
                 transfer = {
                     "kv_connector": "MultiConnector",
