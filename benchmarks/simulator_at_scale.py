@@ -429,9 +429,9 @@ def plans_verdict(row: dict[str, Any], auto: Any) -> dict[str, Any]:
     affinity_better = not row["not_worse_than_affinity"]
     return {
         "plan_picks": picks,
-        "plan_rates_per_s": None if shapes is None else {
-            "disaggregated": shapes.disaggregated_rate_per_s, "aggregated": shapes.aggregated_rate_per_s,
-            "aggregated_limit": shapes.aggregated_limit},
+        "plan_options": None if shapes is None else {
+            "disaggregated": shapes.disaggregated.model_dump(by_alias=True),
+            "aggregated": shapes.aggregated.model_dump(by_alias=True)},
         "affinity_judged": not affinity_better or picks == "Aggregated",
     }  # fmt: skip
 

@@ -60,7 +60,7 @@ def test_crd_identity() -> None:
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Prefillers", "Decoders", "Ready", "Bottleneck", "Age"]
+    assert columns == ["Shape", "Prefillers", "Decoders", "Ready", "Bottleneck", "Age"]
 
 
 def test_printer_columns_point_at_status_fields() -> None:
@@ -146,7 +146,7 @@ def test_status_round_trips_through_the_crd_schema() -> None:
 
     pool = parse_pool(yaml.safe_load((EXAMPLES / "pool.yaml").read_text()))
     status = StatusModel.model_validate_json(
-        StatusModel(plan=plan_for(pool.spec), prefillers="1/0", decoders="3/0", observed_generation=1).model_dump_json(
+        StatusModel(plan=plan_for(pool.spec), prefillers="0/1", decoders="0/3", observed_generation=1).model_dump_json(
             by_alias=True, exclude_none=True
         )
     )

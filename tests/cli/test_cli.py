@@ -35,12 +35,13 @@ def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
         for line in out.splitlines()
         if line.startswith("  ")
         and line.split()
-        and line.split()[0] in ("shape", "prefillers", "engines", "bottleneck")
+        and line.split()[0] in ("prefillers", "decoders", "engines", "bottleneck")
     }
-    # one prefiller would saturate at 1.653/s with 3 decoders; 4 engines that prefill their own sustain 2.524/s
-    assert lines == {"shape": "Aggregated", "prefillers": "0", "engines": "4", "bottleneck": "DecoderThroughput"}
-    assert "P/D 1.653 conv/s against aggregated 2.524 on 4 engines" in out
-    assert "Why:" in out and "R* = T_p / L_in" in out
+    # first the two shapes side by side (P/D first), then the chosen one's rows, which overwrite them here
+    assert lines == {"prefillers": "3", "decoders": "3", "engines": "6", "bottleneck": "DecoderThroughput"}
+    assert "Shape: Disaggregated: P/D needs fewer engines (6 against 15)" in out
+    assert "P/D (chosen)" in out and "aggregated" in out
+    assert "Why:" in out and "R* = T_p / L_in" in out and "alternative (aggregated, not taken)" in out
 
 
 @pytest.mark.parametrize("fmt", ["json", "yaml"])
@@ -50,8 +51,8 @@ def test_plan_machine_readable(capsys: pytest.CaptureFixture[str], fmt: str) -> 
     assert code == 0
     assert document["name"] == "agents" and document["namespace"] == "llm"
     plan = document["plan"]
-    assert (plan["prefillers"], plan["decoders"], plan["bindingConstraint"]) == (0, 4, "DecoderThroughput")
-    assert plan["shapes"]["shape"] == "Aggregated" and plan["shapes"]["engines"] == 4
+    assert (plan["prefillers"], plan["decoders"], plan["bindingConstraint"]) == (3, 3, "DecoderThroughput")
+    assert plan["shapes"]["shape"] == "Disaggregated" and plan["shapes"]["disaggregated"]["engines"] == 6
     assert plan["saturationRatePerS"] == pytest.approx(15_000 / (0.02 + 3.6e-5 * 15_000 + 2e-10 * 15_000**2) / 15_000)
 
 
@@ -60,7 +61,7 @@ def test_plan_reads_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(Path(POOL).read_bytes())))
     code, out, _ = run(capsys, "plan", "-", "-o", "json")
-    assert code == 0 and json.loads(out)["plan"]["decoders"] == 4
+    assert code == 0 and json.loads(out)["plan"]["decoders"] == 3
 
 
 def test_plan_with_measured_profile(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,7 +87,7 @@ def test_render_prints_the_operator_objects(capsys: pytest.CaptureFixture[str]) 
     kinds = [(o["kind"], o["metadata"]["name"]) for o in objects]
     assert ("Deployment", "agents-prefiller") in kinds and ("Deployment", "agents-decoder") in kinds
     replicas = {o["metadata"]["name"]: o["spec"]["replicas"] for o in objects if o["kind"] == "Deployment"}
-    assert replicas["agents-prefiller"] == 0 and replicas["agents-decoder"] == 4  # aggregated engines
+    assert replicas["agents-prefiller"] == 3 and replicas["agents-decoder"] == 3  # P/D (test_plan_table)
 
 
 def test_render_json_list(capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,4 +134,4 @@ def test_console_script_entry_point_runs() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["plan"]["prefillers"] == 0  # aggregated (test_plan_table)
+    assert json.loads(result.stdout)["plan"]["prefillers"] == 3  # P/D (test_plan_table)

@@ -57,9 +57,19 @@ def load(name: str) -> Any:
     return json.loads((FIXTURES / name).read_text())
 
 
-def pool_body(namespace: str, name: str) -> dict[str, Any]:
+def recorded_pool_body(namespace: str, name: str) -> dict[str, Any]:
     """The pool as stored, ``status`` (what the operator last wrote) included."""
     body: dict[str, Any] = load(f"{namespace}.{name}.coservepool.json")
+    return body
+
+
+def pool_body(namespace: str, name: str) -> dict[str, Any]:
+    """The pool as stored, its ``status.plan`` as this version's first reconcile writes it: the recorded plan is an
+    older model's (fewer prefillers: it sized them for saturation, not for the TTFT objective), and that first
+    reconcile re-plans once, with a Planned event (``test_an_upgrade_re_plans_a_recorded_pool_once``)."""
+    body = recorded_pool_body(namespace, name)
+    planned = reconcile(body, listed(namespace, name), NOW, operator_image_tag=RECORDED_OPERATOR_TAG).status["plan"]
+    body["status"]["plan"] = planned
     return body
 
 
@@ -444,6 +454,8 @@ def assistant() -> dict[str, Any]:
     body = recorded_assistant()
     assert body["spec"]["engine"]["metricsScrapers"] == RECORDED_SCRAPERS
     body["spec"]["engine"]["metricsScrapers"] = copy.deepcopy(NAMED_SCRAPERS)
+    # ... and its plan as this version makes it (pool_body says why)
+    body["status"]["plan"] = reconcile(body, {}, ASSISTANT_NOW, operator_image_tag=RECORDED_OPERATOR_TAG).status["plan"]
     return body
 
 
@@ -586,6 +598,14 @@ def test_as_stored_is_what_the_server_stored(kind: str) -> None:
             hash_path = ".spec.template.metadata.annotations.coserve.dev/config-hash"
             new = {f".{path} (left out)" for path in SECURITY_DRIFT[body["metadata"]["name"]]}
             differences = [d for d in differences if not d.startswith(hash_path + " (") and d not in new]
+        replanned = {"assistant-prefiller": ".spec.replicas (2 stored as 1)",
+                     "assistant-decoder": ".spec.replicas (5 stored as 6)"}  # fmt: skip
+        if kind == "Deployment" and body["metadata"]["name"] in replanned:
+            # the recording was sized by an older model (prefillers for their saturation rate, decoders for it);
+            # this version sizes both for the objectives at the design rate
+            # (test_an_upgrade_re_plans_a_recorded_pool_once)
+            assert differences == [replanned[body["metadata"]["name"]]]
+            differences = []
         assert differences == []
         listed = as_stored(body, listed=True)
         assert "apiVersion" not in listed and "kind" not in listed
@@ -1101,17 +1121,30 @@ async def test_a_status_decided_from_a_pool_that_changed_since_is_refused_and_de
 # --- the pool's shape across an upgrade ------------------------------------------------------------------------
 
 
+def test_an_upgrade_re_plans_a_recorded_pool_once() -> None:
+    """The recorded plan of ``examples/pool.yaml`` is one prefiller and three decoders, sized for the prefiller's
+    saturation rate; this version sizes the prefillers for the 1 s TTFT objective at the design rate: three."""
+    body = recorded_pool_body("llm", "agents")
+    assert (body["status"]["plan"]["prefillers"], body["status"]["plan"]["decoders"]) == (1, 3)
+    result = decide(body, observed_for("llm", "agents", "kubectl-lists"))
+    assert (result.status["plan"]["prefillers"], result.status["plan"]["decoders"]) == (3, 3)
+    assert [event.reason for event in result.events] == ["Planned"]
+
+
 def test_an_upgrade_keeps_a_running_pool_s_shape_and_an_edited_spec_takes_the_plans() -> None:
     """``examples/pool.yaml`` as the server stored it (planned P/D before shapes existed). Its spec defaults to
-    Auto, and aggregated engines would sustain more: the upgrade keeps P/D and says so; once its owner edits the
-    spec (a new generation), the plan takes aggregated engines: the prefillers go to 0 and the router stops
-    looking for them."""
-    body = pool_body("llm", "agents")
+    Auto. Where this version's model would take aggregated engines for the same generation of the spec (here:
+    the spec's objectives made loose without a new generation, as a model change would), the upgrade keeps P/D
+    and says so; once its owner edits the spec (a new generation), the plan takes aggregated engines: the
+    prefillers go to 0 and the router stops looking for them."""
+    body = recorded_pool_body("llm", "agents")
+    body["spec"]["priorityClasses"] = [{"name": "standard", "weight": 1.0, "ttftSloMs": 3_600_000,
+                                        "tpotSloMs": 60_000}]  # fmt: skip
     observed = observed_for("llm", "agents", "kubectl-lists")
     kept = decide(body, observed)
-    assert actions(kept) == []
     shapes = kept.status["plan"]["shapes"]
-    assert shapes["shape"] == "Disaggregated" and shapes["aggregatedRatePerS"] > shapes["disaggregatedRatePerS"]
+    assert shapes["shape"] == "Disaggregated"
+    assert shapes["aggregated"]["engines"] < shapes["disaggregated"]["engines"]
     assert shapes["reason"].startswith("kept Disaggregated: the spec has not changed")
 
     edited = copy.deepcopy(body)

@@ -13,6 +13,7 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from coserve.api.status import PlanUtilization
 from coserve.api import CoServePool, Plan, parse_pool
 from coserve.api.problems import InvalidInput
 from coserve.api.profile import EngineProfile
@@ -1215,21 +1216,23 @@ def plan_with(pool: CoServePool, **update: Any) -> Plan:
     return plan_for(pool.spec).model_copy(update=update)
 
 
+def busy(throughput: float, memory: float) -> PlanUtilization:
+    return PlanUtilization(prefiller=0.5, decoder_throughput=throughput, decoder_memory=memory)
+
+
 @pytest.mark.parametrize(
     ("update", "prefillers_min", "decoders_min"),
     [
-        # need(D) = D / R* · decodersPerPrefiller = 3 / 1 · 1.5 = 4.5 -> 5 of 7 (headroom 1.5: ceil(6.75) = 7)
-        ({"prefillers": 3, "decoders": 7, "saturation_rate_per_s": 1.0, "design_rate_per_s": 3.0,
-          "decoders_per_prefiller": 1.5}, 2, 5),
-        # a target far below one prefiller's saturation: D = headroom·R, not M·R* (which would need 40)
-        ({"prefillers": 1, "decoders": 2, "saturation_rate_per_s": 10.0, "design_rate_per_s": 0.3,
-          "decoders_per_prefiller": 4.0}, 1, 1),
-        # headroom 1: no spare decoder, the budget holds them all
-        ({"prefillers": 2, "decoders": 6, "saturation_rate_per_s": 1.0, "design_rate_per_s": 2.0,
-          "decoders_per_prefiller": 3.0}, 1, 6),
+        # the target rate keeps 7 decoders 64.3 % busy: 4.5 decoders' work -> 5 of 7
+        ({"prefillers": 3, "decoders": 7, "utilization": busy(4.5 / 7, 0.2)}, 2, 5),
+        # KV memory is the tighter need: 2 decoders' worth of 4 -> 2
+        ({"prefillers": 1, "decoders": 4, "utilization": busy(0.1, 0.5)}, 1, 2),
+        # no spare decoder: the budget holds them all
+        ({"prefillers": 2, "decoders": 6, "utilization": busy(1.0, 0.3)}, 1, 6),
         # float noise is not a decoder
-        ({"prefillers": 4, "decoders": 9, "saturation_rate_per_s": 0.1, "design_rate_per_s": 0.3,
-          "decoders_per_prefiller": 2.0000000000000004}, 3, 6),
+        ({"prefillers": 4, "decoders": 9, "utilization": busy(6.0000000000000004 / 9, 0.1)}, 3, 6),
+        # a quiet pool keeps one
+        ({"prefillers": 1, "decoders": 2, "utilization": busy(0.0, 0.0)}, 1, 1),
     ],
 )  # fmt: skip
 def test_engine_budgets_follow_the_plan(update: dict[str, Any], prefillers_min: int, decoders_min: int) -> None:
@@ -1262,9 +1265,10 @@ def test_the_decoder_budget_is_the_plan_before_headroom(
     floor = decoders_before_headroom(plan)
 
     assert 1 <= floor <= plan.decoders
-    assert plan.decoders <= max(1, math.ceil(headroom * floor - 1e-9))  # headroom on the floor covers the plan
-    if headroom == 1:
-        assert floor == plan.decoders
+    # the floor carries the target rate's decode work and KV, and not one decoder more
+    need = max(plan.utilization.decoder_throughput, plan.utilization.decoder_memory) * plan.decoders
+    assert floor >= need * (1 - 1e-9) or floor == plan.decoders
+    assert floor == 1 or floor - 1 < need * (1 + 1e-9)
 
 
 @pytest.mark.parametrize(("replicas", "expected"), [(1, None), (2, {"minAvailable": 1}), (5, {"minAvailable": 1})])

@@ -37,6 +37,10 @@ def measured_document(**workload: Any) -> dict[str, Any]:
     document = sanity_document(**workload)
     document["spec"]["profile"] = {"configMapRef": {"name": "h100"}}
     document["spec"]["headroom"] = 1.5
+    # objectives that never bind: these tests check the decoders' work and KV arithmetic (the objectives' own
+    # sizing is test_shape's)
+    document["spec"]["priorityClasses"] = [{"name": "standard", "weight": 1.0, "ttftSloMs": 3_600_000,
+                                            "tpotSloMs": 60_000}]  # fmt: skip
     return document
 
 
@@ -80,7 +84,7 @@ def test_later_turns_are_prefilled_on_the_decoder_at_the_cost_models_price() -> 
     assert plan.prefill_weight == pytest.approx(t_d * prefill_s / 6_000, rel=1e-9)
     per_conversation_s = 1_000 / t_d + prefill_s
     assert plan.binding_constraint.value == "DecoderThroughput"
-    assert plan.decoders == math.ceil(1.5 * plan.design_rate_per_s * per_conversation_s - 1e-9)
+    assert plan.decoders == math.ceil(plan.design_rate_per_s * per_conversation_s - 1e-9)
     assert plan.utilization.decoder_throughput == pytest.approx(1.0 * per_conversation_s / plan.decoders)
     # the same pool counted as single-turn misses the decoders' prefill: fewer decoders than it needs
     single = plan_of(measured_document(lifetimeS=20.0, arrivalRatePerS=1.0, outputTokens=1_000), profile)
@@ -116,7 +120,7 @@ def test_idle_conversations_are_evicted_when_keeping_them_costs_more_decoders() 
     recompute_s = 2 * chunk_s(k, context + 500, 0)
     assert plan.decoder_prefill_tokens == pytest.approx(2 * (context + 500))
     need = max(1_000 / resolved.decode_throughput_tokens_per_s + recompute_s, 20.0 / slots)
-    assert plan.decoders == math.ceil(1.5 * plan.design_rate_per_s * need - 1e-9)
+    assert plan.decoders == math.ceil(plan.design_rate_per_s * need - 1e-9)
     # counted as before (KV live for all 300 s), the pool would have many more decoders
     kept_all = plan_of(measured_document(lifetimeS=300.0, arrivalRatePerS=1.0), profile)
     assert kept_all.binding_constraint.value == "DecoderMemory"
@@ -183,7 +187,7 @@ def test_the_mooncake_traces_numbers_plan_as_counted() -> None:
     evicted = max(decode_s + (turns - 1) * chunk_s(k, context + appended, 0), (lifetime - (turns - 1) * idle) / slots)
     assert evicted < kept
     assert plan.idle_kv is IdleKV.EVICTED
-    assert plan.decoders == math.ceil(1.5 * plan.design_rate_per_s * evicted - 1e-9)
+    assert plan.decoders == math.ceil(plan.design_rate_per_s * evicted - 1e-9)
     assert plan.decoders_per_prefiller == pytest.approx(plan.saturation_rate_per_s * evicted)
     single = make_plan(spec.model_copy(update={"workload": spec.workload.model_copy(
         update={"turns": 1.0, "appended_tokens": 0, "idle_s": 0.0})}), resolved)  # fmt: skip

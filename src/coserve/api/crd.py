@@ -33,16 +33,22 @@ _DROPPED_KEYS = {"title", "propertyNames", "$defs"}
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {
+        "name": "Shape",
+        "type": "string",
+        "jsonPath": ".status.plan.shapes.shape",
+        "description": "Disaggregated (prefillers and decoders) or Aggregated (engines that prefill and decode).",
+    },
+    {
         "name": "Prefillers",
         "type": "string",
         "jsonPath": ".status.prefillers",
-        "description": "Prefiller replicas, desired/ready.",
+        "description": "Prefiller replicas, ready/desired (none for aggregated engines).",
     },
     {
         "name": "Decoders",
         "type": "string",
         "jsonPath": ".status.decoders",
-        "description": "Decoder replicas, desired/ready.",
+        "description": "Decoder replicas (every engine when aggregated), ready/desired.",
     },
     {
         "name": "Ready",

@@ -28,6 +28,7 @@ __all__ = [
     "Plan",
     "PlanUtilization",
     "ReplicaStatus",
+    "ShapeOption",
     "RoleCounts",
     "RoleReplicas",
     "StatusModel",
@@ -99,22 +100,51 @@ class PlanUtilization(ApiModel):
     )
 
 
+class ShapeOption(ApiModel):
+    """One shape sized for the pool's objectives at the design rate, and what it is predicted to give."""
+
+    prefillers: int = Field(ge=0, description="prefillers is M (0 for aggregated engines).")
+    decoders: int = Field(ge=1, description="decoders is N: the engines that decode (every engine when aggregated).")
+    engines: int = Field(ge=1, description="engines is prefillers + decoders.")
+    limit: str = Field(
+        description="limit is what sets the decoders' count (one engine fewer would break it): Prefiller, DecoderThroughput, "
+        "DecoderMemory (saturation), TTFT or TPOT (an objective), or Minimum (one engine of each role)."
+    )
+    prefillers_limit: str = Field(
+        default="", description="prefillersLimit is what sets the prefillers' count (P/D): Prefiller, TTFT or Minimum."
+    )
+    ttft_p95_s: float = Field(ge=0, description="ttftP95S is the predicted p95 time to turn 1's first token.")
+    ttfet_p95_s: float = Field(
+        ge=0, description="ttfetP95S is the predicted p95 time from a conversation's arrival to its last turn's "
+        "first token."
+    )
+    tpot_s: float = Field(ge=0, description="tpotS is the predicted mean time per output token.")
+    saturation_rate_per_s: float = Field(
+        ge=0, description="saturationRatePerS is the arrival rate at which this option's first resource saturates."
+    )
+    unmet: list[str] = Field(
+        default_factory=list,
+        description="unmet lists the objectives (TTFT, TPOT) this shape cannot meet at any size; it is sized "
+        "without them.",
+    )
+
+
 class ShapeComparison(ApiModel):
-    """P/D against aggregated engines on the same engines: each shape's sustainable rate and its limit."""
+    """P/D against aggregated engines, each sized for the objectives at the design rate, and the pool's choice."""
 
     shape: PoolShape = Field(description="shape is the one the pool takes: Disaggregated or Aggregated.")
-    engines: int = Field(ge=1, description="engines is the count both shapes are compared on (the P/D plan's).")
-    disaggregated_rate_per_s: float = Field(
-        ge=0, description="disaggregatedRatePerS is what the P/D plan's prefillers and decoders sustain."
+    design_rate_per_s: float = Field(
+        ge=0, description="designRatePerS is headroom · arrivalRatePerS, the rate both shapes are sized for."
     )
-    disaggregated_limit: str = Field(description="disaggregatedLimit is the limit that sets it.")
-    aggregated_rate_per_s: float = Field(
-        ge=0, description="aggregatedRatePerS is what as many aggregated engines sustain."
-    )
-    aggregated_limit: str = Field(
-        description="aggregatedLimit is the limit that sets it: DecoderThroughput, DecoderMemory or TPOT."
-    )
-    reason: str = Field(description="reason is why the pool takes its shape, with both figures.")
+    ttft_objective_s: float = Field(ge=0, description="ttftObjectiveS is the tightest online class's TTFT objective.")
+    tpot_objective_s: float = Field(ge=0, description="tpotObjectiveS is the tightest online class's TPOT objective.")
+    disaggregated: ShapeOption = Field(description="disaggregated is P/D: prefillers and decoders.")
+    aggregated: ShapeOption = Field(description="aggregated is engines that prefill their own turns and decode.")
+    reason: str = Field(description="reason is why the pool takes its shape, with both options' figures.")
+
+    def option(self, shape: PoolShape | None = None) -> ShapeOption:
+        """The sized option for ``shape`` (default: the chosen one)."""
+        return self.aggregated if (shape or self.shape) is PoolShape.AGGREGATED else self.disaggregated
 
 
 class Plan(ApiModel):
@@ -299,10 +329,12 @@ class StatusModel(ApiModel):
     plan: Plan | None = Field(default=None, description="plan is the provisioning model's current answer.")
     replicas: ReplicaStatus = Field(default_factory=ReplicaStatus, description="replicas per role.")
     prefillers: str | None = Field(
-        default=None, description='prefillers is "desired/ready" prefiller replicas, for kubectl get.'
+        default=None,
+        description='prefillers is "ready/desired" prefiller replicas, for kubectl get; absent for aggregated engines.',
     )
     decoders: str | None = Field(
-        default=None, description='decoders is "desired/ready" decoder replicas, for kubectl get.'
+        default=None,
+        description='decoders is "ready/desired" decoder replicas (every engine when aggregated), for kubectl get.',
     )
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="autoscaling is the autoscaler's last evaluation (when enabled)."

@@ -233,9 +233,10 @@ def _proactive(
 
 def _capacity(plan: Plan, rate: float) -> _Capacity:
     """Each role's per-replica rate in ``plan`` (made for ``rate``): a prefiller's R* = T_p / L_in; a decoder's
-    from its tighter utilization (throughput or KV memory); an aggregated engine's from the shape comparison."""
+    from its tighter utilization (throughput or KV memory); an aggregated engine's from its sized option."""
     if plan.aggregated and plan.shapes is not None:
-        return _Capacity(0.0, plan.shapes.aggregated_rate_per_s / plan.shapes.engines, plan.kv_slots_per_decoder)
+        option = plan.shapes.aggregated
+        return _Capacity(0.0, option.saturation_rate_per_s / option.engines, plan.kv_slots_per_decoder)
     used = max(plan.utilization.decoder_throughput, plan.utilization.decoder_memory)
     per_decoder = rate / (plan.decoders * used) if used > 0 else math.inf
     return _Capacity(plan.saturation_rate_per_s, per_decoder, plan.kv_slots_per_decoder)

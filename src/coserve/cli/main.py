@@ -34,7 +34,8 @@ from coserve import __version__
 from coserve.api.crd import crd_manifest
 from coserve.api.problems import InvalidInput, Problem
 from coserve.api.resource import CoServePool
-from coserve.api.status import Plan
+from coserve.api.spec import PoolShape
+from coserve.api.status import Plan, ShapeComparison
 from coserve.cli.bench import add_bench_command
 from coserve.cli.manifest import load_planned
 from coserve.cli.simulate import add_simulate_command
@@ -627,40 +628,31 @@ def _dump(document: Any, output: str, stream: TextIO) -> None:
 def _print_table(pool: CoServePool, plan: Plan, stream: TextIO) -> None:
     spec = pool.spec
     namespace = pool.metadata.namespace or "default"
-    shapes = plan.shapes
+    out = [
+        f"CoServePool {namespace}/{pool.metadata.name}: model {spec.model.name}, "
+        f"target {spec.workload.arrival_rate_per_s:g} conversations/s, headroom {spec.headroom:g}: "
+        f"sized for {plan.design_rate_per_s:.4g} conversations/s",
+    ]
+    if plan.shapes is not None:
+        out += ["", *_shape_table(plan.shapes)]
     rows = [
-        *(
-            [
-                (
-                    "shape",
-                    shapes.shape.value,
-                    f"P/D {shapes.disaggregated_rate_per_s:.4g} conv/s against aggregated "
-                    f"{shapes.aggregated_rate_per_s:.4g} on {shapes.engines} engines",
-                )
-            ]
-            if shapes is not None
-            else []
-        ),
         (
             "prefillers",
             str(plan.prefillers),
             "none: every engine prefills its own conversations"
             if plan.aggregated
-            else f"one saturates at R* = {plan.saturation_rate_per_s:.4g} conv/s; "
-            f"the pool at {plan.pool_saturation_rate_per_s:.4g}",
+            else f"one saturates at R* = {plan.saturation_rate_per_s:.4g} conv/s",
         ),
         (
             "engines" if plan.aggregated else "decoders",
             str(plan.decoders),
-            f"aggregated: they saturate at {plan.pool_saturation_rate_per_s:.4g} conv/s"
+            "each prefills its conversations' turns and decodes them"
             if plan.aggregated
-            else f"{plan.binding_constraint.value} binds; "
-            f"{plan.decoders_per_prefiller:.3g} per saturated prefiller before headroom",
+            else f"{plan.binding_constraint.value} binds among the decoders' needs",
         ),
-        ("bottleneck", plan.bottleneck.value, "saturates first as load rises"),
-        ("prefill throughput", f"{plan.prefill_throughput_tokens_per_s:,.0f}", "tokens/s per prefiller (T_p)"),
+        ("bottleneck", plan.bottleneck.value, f"saturates first as load rises, at {plan.pool_saturation_rate_per_s:.4g} conv/s"),
+        ("prefill throughput", f"{plan.prefill_throughput_tokens_per_s:,.0f}", "tokens/s of one engine prefilling (T_p)"),
         ("KV slots", str(plan.kv_slots_per_decoder), "conversations per decoder (B)"),
-        ("design rate", f"{plan.design_rate_per_s:.4g}", "conversations/s the decoders are sized for"),
         (
             "decoder prefill",
             f"{plan.decoder_prefill_tokens:,.0f}",
@@ -673,13 +665,9 @@ def _print_table(pool: CoServePool, plan: Plan, stream: TextIO) -> None:
         ),
     ]
     utilization = plan.utilization
-    out = [
-        f"CoServePool {namespace}/{pool.metadata.name}: model {spec.model.name}, "
-        f"target {spec.workload.arrival_rate_per_s:g} conversations/s, headroom {spec.headroom:g}",
-        "",
-    ]
     width = max(len(name) for name, _, _ in rows)
     value_width = max(len(value) for _, value, _ in rows)
+    out += ["", f"The {'aggregated' if plan.aggregated else 'P/D'} pool:"]
     out += [f"  {name:<{width}}  {value:>{value_width}}  {note}" for name, value, note in rows]
     out += [
         "",
@@ -692,6 +680,38 @@ def _print_table(pool: CoServePool, plan: Plan, stream: TextIO) -> None:
     if plan.warnings:
         out += ["", "Warnings:", *[f"  ! {line}" for line in plan.warnings]]
     stream.write("\n".join(out) + "\n")
+
+
+def _shape_table(shapes: ShapeComparison) -> list[str]:
+    """Both shapes sized for the objectives, side by side, the chosen one marked."""
+    options = [("P/D", shapes.disaggregated, PoolShape.DISAGGREGATED),
+               ("aggregated", shapes.aggregated, PoolShape.AGGREGATED)]  # fmt: skip
+
+    def seconds(value: float) -> str:
+        return "unbounded" if value >= 1e12 else f"{value:.3g} s"
+
+    rows = [
+        ("", [f"{name}{' (chosen)' if shape is shapes.shape else ''}" for name, _, shape in options]),
+        ("prefillers", [str(option.prefillers) for _, option, _ in options]),
+        ("decoders", [str(option.decoders) for _, option, _ in options]),
+        ("engines", [str(option.engines) for _, option, _ in options]),
+        ("p95 TTFT", [seconds(option.ttft_p95_s) for _, option, _ in options]),
+        ("p95 TTFET", [seconds(option.ttfet_p95_s) for _, option, _ in options]),
+        ("mean TPOT", [seconds(option.tpot_s) for _, option, _ in options]),
+        ("count set by", [option.limit for _, option, _ in options]),
+        ("saturates at", ["unbounded" if o.saturation_rate_per_s >= 1e12 else f"{o.saturation_rate_per_s:.4g}/s"
+                          for _, o, _ in options]),  # fmt: skip
+        ("cannot meet", [", ".join(option.unmet) or "-" for _, option, _ in options]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    column = max(len(cell) for _, cells in rows for cell in cells)
+    lines = [
+        f"Objectives: TTFT {shapes.ttft_objective_s * 1000:g} ms, TPOT {shapes.tpot_objective_s * 1000:g} ms "
+        f"(the tightest online class), predicted at {shapes.design_rate_per_s:.4g} conversations/s:",
+    ]
+    lines += [f"  {name:<{width}}  " + "  ".join(f"{cell:>{column}}" for cell in cells) for name, cells in rows]
+    lines += ["", f"Shape: {shapes.shape.value}: {shapes.reason}"]
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -725,11 +725,14 @@ def _status(
         conditions=conditions,
         plan=plan,
         replicas=ReplicaStatus(**replicas),
-        prefillers=f"{replicas['prefillers'].desired}/{replicas['prefillers'].ready}",
-        decoders=f"{replicas['decoders'].desired}/{replicas['decoders'].ready}",
+        # ready/desired, as kubectl prints a Deployment's READY; no column for a role the shape does not have
+        prefillers=None if plan.aggregated else f"{replicas['prefillers'].ready}/{replicas['prefillers'].desired}",
+        decoders=f"{replicas['decoders'].ready}/{replicas['decoders'].desired}",
         autoscaling=previous.autoscaling if autoscaled else None,
     )
     wire = status.to_wire()
+    if plan.aggregated and previous.prefillers is not None:
+        wire["prefillers"] = None  # a merge patch removes a key only when told to
     if not autoscaled and previous.autoscaling is not None:
         wire["autoscaling"] = None  # a merge patch removes a key only when told to
     return wire

@@ -52,6 +52,7 @@ from coserve.api.spec import (
     ModelCacheSpec,
     ModelSpec,
     PodOptions,
+    PoolShape,
     ResourceRequirements,
     RoleOverrides,
     RouterSpec,
@@ -255,6 +256,9 @@ def build_children(pool: CoServePool, plan: Plan, *, operator_image_tag: str | N
     left on the default image runs that tag, so router and operator stay in step
     (see ``router_image``).
     """
+    if plan.aggregated and pool.spec.shape is not PoolShape.AGGREGATED:
+        # what the engines are rendered from knows the shape the plan took (``pool_handoff``, ``kv_transfer_config``)
+        pool = pool.model_copy(update={"spec": pool.spec.model_copy(update={"shape": PoolShape.AGGREGATED})})
     data = config_data(pool, aggregated=plan.aggregated)
     digest = config_hash(data)
     image = router_image(pool.spec.router, operator_image_tag)
@@ -588,7 +592,8 @@ def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
     moves KV only between engines on one machine, as ``coserve up`` runs them).
     """
     offload = spec.kv_offload
-    kv_role = _KV_ROLES[role]
+    # aggregated engines neither send nor receive turn 1's KV: vLLM's kv_both, no NIXL (``pool_handoff``)
+    kv_role = "kv_both" if spec.shape is PoolShape.AGGREGATED else _KV_ROLES[role]
     extra: dict[str, Any] = {
         "coserve_config": ENGINE_CONFIG_PATH,
         # steps predicted shorter than the exit-latency target run without safepoints (coserve.scheduling.preemption)
@@ -635,8 +640,11 @@ def pool_handoff(spec: SpecModel) -> Handoff:
 
     The one decision the engines' connectors (``kv_transfer_config``) and the router's P/D protocol
     (``router_config``'s ``kvTransferParams``) are both rendered from, so they cannot disagree. Without
-    GPUs on both sides vLLM has no transport between pods, and the decoder computes turn 1 itself.
+    GPUs on both sides vLLM has no transport between pods, and the decoder computes turn 1 itself; aggregated
+    engines (``spec.shape`` as ``build_children`` pins it to the plan's) hand nothing over.
     """
+    if spec.shape is PoolShape.AGGREGATED:
+        return Handoff.NONE  # no prefillers: every engine prefills its own turns
     both = uses_gpus(spec, "prefiller") and uses_gpus(spec, "decoder")
     return Handoff.NIXL if both else Handoff.NONE
 
@@ -1350,20 +1358,15 @@ def _engine_network_policy(pool: CoServePool) -> Manifest:
 
 
 def decoders_before_headroom(plan: Plan) -> int:
-    """The decoders the provisioning model needs before headroom: the decoders' floor under evictions.
+    """The decoders the target rate R needs before headroom: the decoders' floor under evictions.
 
-    The plan sizes decoders for its design rate D = min(M·R*, headroom·R) as
-    ``ceil(headroom · need(D))``, where need(D) = D·max(L_d/T_d, W/B) =
-    D / R* · decodersPerPrefiller. need(D) is what the design rate takes with
-    no spare, so a budget of ``ceil(need(D))`` lets evictions take only the
-    headroom's decoders. (``prefillers · decodersPerPrefiller`` would be the need
-    at M·R*, which can exceed the plan's decoders when the target rate is far
-    below one prefiller's saturation: a budget that blocks every eviction.)
-    At least 1 and at most ``plan.decoders``.
+    The plan sizes decoders for its design rate ``headroom · R``; at R they are busy
+    ``max(utilization.decoderThroughput, utilization.decoderMemory)`` of their time, so
+    ``ceil(decoders · that)`` of them carry R with no spare, and a budget of that many lets evictions
+    take only the headroom's decoders. At least 1 and at most ``plan.decoders``.
     """
-    if plan.saturation_rate_per_s <= 0:
-        return plan.decoders
-    need = plan.design_rate_per_s / plan.saturation_rate_per_s * plan.decoders_per_prefiller
+    used = max(plan.utilization.decoder_throughput, plan.utilization.decoder_memory)
+    need = plan.decoders * used
     return min(plan.decoders, max(1, math.ceil(need - 1e-9 * max(1.0, need))))  # float noise is not a decoder
 
 
@@ -1390,6 +1393,8 @@ def disruption_budget(spec: SpecModel, plan: Plan, component: EngineRole | Liter
     if component == "router":
         return {"minAvailable": 1} if spec.router.replicas >= 2 else None
     autoscaling = spec.autoscaling
+    if component == "prefiller" and plan.prefillers == 0:
+        return None  # aggregated engines: no prefiller to keep available
     if component == "prefiller":
         floor = autoscaling.prefillers.min_replicas if autoscaling.enabled else max(1, plan.prefillers - 1)
     else:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coserve.api.spec import PoolShape, SpecModel, WorkloadSpec
-from coserve.api.status import Bottleneck, Plan, PlanUtilization, ShapeComparison
+from coserve.api.status import Bottleneck, Plan, PlanUtilization, ShapeComparison, ShapeOption
 from coserve.provisioning.decoders import DecoderLoad, decoder_loads, later_turn_context_tokens
 from coserve.provisioning.profile import ResolvedProfile
 from coserve.provisioning.shape import compare_shapes
@@ -80,16 +80,11 @@ class _Sizing:
     kept: DecoderLoad  # the decoder load with idle conversations' KV kept
     evicted: DecoderLoad  # ... and with it evicted or offloaded
     load: DecoderLoad  # the cheaper of the two
-    prefillers: int  # M
-    pool_saturation: float  # M·R*
-    design_rate: float  # min(M·R*, headroom·R)
-    throughput_need: float  # decoders for throughput, before headroom
-    memory_need: float  # decoders for KV memory, before headroom
+    design_rate: float  # headroom·R
+    throughput_need: float  # decoders for throughput at the design rate
+    memory_need: float  # decoders for KV memory at the design rate
     binding: Bottleneck
-    decoders: int  # N
-    capacities: Capacities
-    warnings: tuple[str, ...]
-    shapes: ShapeComparison  # P/D against aggregated engines on M + N engines
+    shapes: ShapeComparison  # P/D and aggregated engines, each sized for the objectives
     turn1_prefill_s: float  # p_1: turn 1's prefill inside an aggregated engine's steps
 
 
@@ -105,34 +100,61 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile, kept_shape: PoolShape |
     if sized.shapes.shape is PoolShape.AGGREGATED:
         return _aggregated_plan(spec, profile, sized)
     load, rate = sized.load, spec.workload.arrival_rate_per_s
+    option = sized.shapes.disaggregated
+    warnings = _unmet_warnings(sized.shapes, option, "P/D")
+    prefillers, decoders = option.prefillers, option.decoders
+    scaling = spec.autoscaling
+    if scaling.enabled:
+        prefillers = _clamp("prefillers", prefillers, scaling.prefillers.min_replicas,
+                            scaling.prefillers.max_replicas, warnings)  # fmt: skip
+        decoders = _clamp("decoders", decoders, scaling.decoders.min_replicas, scaling.decoders.max_replicas, warnings)
+    capacities = Capacities(
+        prefiller_per_s=prefillers * sized.saturation_rate,
+        decoder_throughput_per_s=decoders / load.work_s,
+        decoder_memory_per_s=decoders / load.slot_s if load.slot_s > 0 else math.inf,
+    )
+    bottleneck = capacities.first_bottleneck()
     return Plan(
-        prefillers=sized.prefillers,
-        decoders=sized.decoders,
+        prefillers=prefillers,
+        decoders=decoders,
         prefill_throughput_tokens_per_s=sized.prefill_tps,
         saturation_rate_per_s=sized.saturation_rate,
-        pool_saturation_rate_per_s=sized.pool_saturation,
+        pool_saturation_rate_per_s=min(capacities.prefiller_per_s, capacities.decoder_throughput_per_s,
+                                       capacities.decoder_memory_per_s),  # fmt: skip
         design_rate_per_s=sized.design_rate,
         **_load_figures(profile, sized),
         binding_constraint=sized.binding,
-        bottleneck=sized.capacities.first_bottleneck(),
+        bottleneck=bottleneck,
         utilization=PlanUtilization(
-            prefiller=rate / sized.pool_saturation,
-            decoder_throughput=rate * load.work_s / sized.decoders,
-            decoder_memory=rate * load.slot_s / sized.decoders,
+            prefiller=rate / capacities.prefiller_per_s,
+            decoder_throughput=rate * load.work_s / decoders,
+            decoder_memory=rate * load.slot_s / decoders,
         ),
         shapes=sized.shapes,
-        explanation=[*_explanation(spec, profile, sized), _shape_line(sized.shapes)],
-        warnings=list(sized.warnings),
+        explanation=[
+            *_explanation(spec, profile, sized),
+            f"decoders N = {option.decoders}: the fewest that decode at {_rate(sized.design_rate)} conversations/s "
+            f"within the objectives ({_limit_words(option.limit)}); predicted mean TPOT {_ms(option.tpot_s)}",
+            f"prefillers M = {option.prefillers}: the fewest whose turn-1 queue (M/G/c at {_rate(sized.design_rate)}/s, "
+            f"service {sized.prefill_latency_s:.4g} s, utilisation {sized.design_rate / (option.prefillers * sized.saturation_rate):.0%}) "
+            f"keeps turn 1's p95 TTFT within {_ms(sized.shapes.ttft_objective_s)} ({_limit_words(option.prefillers_limit)}): "
+            f"predicted {_s(option.ttft_p95_s)}",
+            f"predicted p95 TTFET (arrival to the last turn's first token) {_s(option.ttfet_p95_s)}",
+            _saturation_line(bottleneck, capacities),
+            _shape_line(sized.shapes),
+            _alternative_line(sized.shapes, PoolShape.AGGREGATED),
+        ],
+        warnings=warnings,
     )
 
 
 def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) -> Plan:
-    """The plan for aggregated engines: no prefillers; engines for the target rate at the per-engine rate the
-    shape comparison found, with the spec's headroom (and autoscaling's decoder bounds)."""
+    """The plan for aggregated engines: no prefillers; the fewest engines that prefill their own turns and meet the
+    objectives at the design rate (and autoscaling's decoder bounds)."""
     load, rate, shapes = sized.load, spec.workload.arrival_rate_per_s, sized.shapes
-    warnings: list[str] = []
-    per_engine = shapes.aggregated_rate_per_s / shapes.engines  # the comparison's rate per aggregated engine
-    engines = max(1, _ceil(spec.headroom * rate / per_engine)) if per_engine > 0 else shapes.engines
+    option = shapes.aggregated
+    warnings = _unmet_warnings(shapes, option, "aggregated engines")
+    engines = option.decoders
     scaling = spec.autoscaling
     if scaling.enabled:
         engines = _clamp("decoders", engines, scaling.decoders.min_replicas, scaling.decoders.max_replicas, warnings)
@@ -141,14 +163,16 @@ def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) 
             "spec.autoscaling.decoders bounds them"
         )
     per_conversation_s = sized.turn1_prefill_s + load.work_s
-    limit = Bottleneck.DECODER_MEMORY if shapes.aggregated_limit == "DecoderMemory" else Bottleneck.DECODER_THROUGHPUT
+    throughput = engines / per_conversation_s
+    memory = engines / load.slot_s if load.slot_s > 0 else math.inf
+    limit = Bottleneck.DECODER_MEMORY if memory < throughput else Bottleneck.DECODER_THROUGHPUT
     return Plan(
         prefillers=0,
         decoders=engines,
         prefill_throughput_tokens_per_s=sized.prefill_tps,
         saturation_rate_per_s=sized.saturation_rate,
-        pool_saturation_rate_per_s=per_engine * engines,
-        design_rate_per_s=spec.headroom * rate,
+        pool_saturation_rate_per_s=min(throughput, memory),
+        design_rate_per_s=sized.design_rate,
         **_load_figures(profile, sized),
         binding_constraint=limit,
         bottleneck=limit,
@@ -160,11 +184,16 @@ def _aggregated_plan(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) 
         shapes=shapes,
         explanation=[
             *_explanation(spec, profile, sized),
-            _shape_line(shapes),
             f"each aggregated engine also prefills its conversations' first turns, p_1 = "
-            f"{sized.turn1_prefill_s:.4g} s each, so a conversation costs {per_conversation_s:.4g} engine-s; "
-            f"engines = ceil(headroom · R / (rate per engine)) = ceil({spec.headroom:g} · {_rate(rate)} / "
-            f"{_rate(per_engine)}) = {engines}, and no prefillers",
+            f"{sized.turn1_prefill_s:.4g} s each, so a conversation costs {per_conversation_s:.4g} engine-s",
+            f"engines = {option.engines}: the fewest that prefill and decode at {_rate(sized.design_rate)} "
+            f"conversations/s within the objectives ({_limit_words(option.limit)}), and no prefillers; predicted "
+            f"p95 TTFT {_s(option.ttft_p95_s)}, mean TPOT {_ms(option.tpot_s)}",
+            f"predicted p95 TTFET (arrival to the last turn's first token) {_s(option.ttfet_p95_s)}",
+            f"as load rises, {limit.value} saturates first: engine throughput at {_rate(throughput)}, KV memory at "
+            f"{_rate(memory)} conversations/s",
+            _shape_line(shapes),
+            _alternative_line(shapes, PoolShape.DISAGGREGATED),
         ],
         warnings=warnings,
     )
@@ -187,10 +216,49 @@ def _shape_line(shapes: ShapeComparison) -> str:
     return f"shape {shapes.shape.value}: {shapes.reason}"
 
 
+def _alternative_line(shapes: ShapeComparison, other: PoolShape) -> str:
+    option = shapes.option(other)
+    counts = (f"{option.prefillers} prefillers and {option.decoders} decoders" if option.prefillers
+              else f"{option.engines} aggregated engines")  # fmt: skip
+    unmet = f", and cannot meet {', '.join(option.unmet)}" if option.unmet else ""
+    return (f"alternative ({'P/D' if other is PoolShape.DISAGGREGATED else 'aggregated'}, not taken): {counts} "
+            f"({_limit_words(option.limit)}{unmet}); predicted p95 TTFT {_s(option.ttft_p95_s)}, p95 TTFET "
+            f"{_s(option.ttfet_p95_s)}, mean TPOT {_ms(option.tpot_s)}")  # fmt: skip
+
+
+def _saturation_line(bottleneck: Bottleneck, capacities: Capacities) -> str:
+    return (f"as load rises, {bottleneck.value} saturates first: prefillers at {_rate(capacities.prefiller_per_s)}, "
+            f"decoder throughput at {_rate(capacities.decoder_throughput_per_s)}, decoder memory at "
+            f"{_rate(capacities.decoder_memory_per_s)} conversations/s")  # fmt: skip
+
+
+_LIMIT_WORDS = {
+    "Prefiller": "the prefillers' saturation sets the count",
+    "DecoderThroughput": "the engines' work sets the count",
+    "DecoderMemory": "KV memory sets the count",
+    "TTFT": "the TTFT objective sets the count",
+    "TPOT": "the TPOT objective sets the count",
+    "Minimum": "one engine suffices",
+}
+
+
+def _limit_words(limit: str) -> str:
+    return _LIMIT_WORDS.get(limit, limit)
+
+
+def _unmet_warnings(shapes: ShapeComparison, option: ShapeOption, name: str) -> list[str]:
+    words = {"TTFT": f"the TTFT objective ({_ms(shapes.ttft_objective_s)})",
+             "TPOT": f"the TPOT objective ({_ms(shapes.tpot_objective_s)})"}  # fmt: skip
+    return [
+        f"{name} cannot meet {words.get(goal, goal)} at any size: one request's own prefill or step is longer; "
+        "the pool is sized without it (loosen the class's objective, or use faster engines)"
+        for goal in option.unmet
+    ]
+
+
 def _size(spec: SpecModel, profile: ResolvedProfile, kept_shape: PoolShape | None = None) -> _Sizing:
-    """The model's arithmetic: T_p and R*, M, the decoder load, the design rate, N, and the clamps."""
+    """The model's arithmetic: T_p and R*, the decoder load, the design rate, and both shapes sized."""
     workload = spec.workload
-    rate = workload.arrival_rate_per_s
     # the mean of latency(L) over the prompts: the curve at the mean plus its quadratic term times the variance
     prefill_latency_s = profile.prefill_latency.latency_s(workload.input_tokens) + (
         profile.prefill_latency.per_token_squared_s * workload.input_tokens_std_dev**2
@@ -198,52 +266,27 @@ def _size(spec: SpecModel, profile: ResolvedProfile, kept_shape: PoolShape | Non
     prefill_tps = workload.input_tokens / prefill_latency_s
     saturation_rate = prefill_tps / workload.input_tokens
     kept, evicted = decoder_loads(workload, profile)
-    # NOTE: both needs are linear in the rate, so the cheaper assumption about idle KV is the same at any rate
-    load = evicted if evicted.per_rate < kept.per_rate else kept
-
-    prefillers = max(1, _ceil(rate / saturation_rate))
-    design_rate = min(prefillers * saturation_rate, spec.headroom * rate)
+    # the assumption about idle KV that needs fewer engines in the shape the pool takes (Kept on a tie)
+    sized = [(compare_shapes(spec, profile, load, kept_shape), load) for load in (kept, evicted)]
+    shapes, load = min(sized, key=lambda pair: _cost(pair[0]))
+    design_rate = shapes.design_rate_per_s
     throughput_need = design_rate * load.work_s
     memory_need = design_rate * load.slot_s
     binding = Bottleneck.DECODER_THROUGHPUT if throughput_need >= memory_need else Bottleneck.DECODER_MEMORY
-    decoders = max(1, _ceil(spec.headroom * max(throughput_need, memory_need)))
-
-    warnings: list[str] = []
-    autoscaling = spec.autoscaling
-    if autoscaling.enabled:
-        prefillers = _clamp(
-            "prefillers", prefillers, autoscaling.prefillers.min_replicas, autoscaling.prefillers.max_replicas, warnings
-        )
-        decoders = _clamp(
-            "decoders", decoders, autoscaling.decoders.min_replicas, autoscaling.decoders.max_replicas, warnings
-        )
-    pool_saturation = prefillers * saturation_rate
-    capacities = Capacities(
-        prefiller_per_s=pool_saturation,
-        decoder_throughput_per_s=decoders / load.work_s,
-        decoder_memory_per_s=decoders / load.slot_s if load.slot_s > 0 else math.inf,
-    )
-    bottleneck = capacities.first_bottleneck()
-    if bottleneck is not Bottleneck.PREFILLER:
-        decoder_limit = min(capacities.decoder_throughput_per_s, capacities.decoder_memory_per_s)
-        warnings.append(
-            f"decoders saturate first ({_rate(decoder_limit)} conversations/s, {bottleneck.value}) before "
-            f"the prefillers ({_rate(pool_saturation)}): traffic above "
-            "that rate would queue where the router cannot see it; raise spec.headroom or enable autoscaling"
-        )
     turn1_prefill_s = profile.prefill_s(workload.input_tokens, 0.0) + profile.spread_s(workload.input_tokens_std_dev**2)
-    shapes = compare_shapes(spec, profile, load, prefillers, decoders, pool_saturation, turn1_prefill_s, kept_shape)
-    return _Sizing(prefill_latency_s, prefill_tps, saturation_rate, kept, evicted, load, prefillers,
-                   pool_saturation, design_rate, throughput_need, memory_need, binding, decoders, capacities,
-                   tuple(warnings), shapes, turn1_prefill_s)  # fmt: skip
+    return _Sizing(prefill_latency_s, prefill_tps, saturation_rate, kept, evicted, load, design_rate,
+                   throughput_need, memory_need, binding, shapes, turn1_prefill_s)  # fmt: skip
+
+
+def _cost(shapes: ShapeComparison) -> tuple[int, int, float]:
+    option = shapes.option()
+    return (len(option.unmet), option.engines, option.ttfet_p95_s)
 
 
 def _explanation(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) -> list[str]:
-    """The plan's arithmetic in words, one line per step, with the numbers that went in."""
-    workload, load = spec.workload, sized.load
+    """The plan's arithmetic in words up to the sizing, one line per step, with the numbers that went in."""
+    workload, load, shapes = spec.workload, sized.load, sized.shapes
     rate, input_tokens, spread = workload.arrival_rate_per_s, workload.input_tokens, workload.input_tokens_std_dev
-    need = max(sized.throughput_need, sized.memory_need)
-    capacities = sized.capacities
     return [
         f"prefill latency at L_in={input_tokens} tokens is {sized.prefill_latency_s:.4g} s "
         + (
@@ -254,24 +297,18 @@ def _explanation(spec: SpecModel, profile: ResolvedProfile, sized: _Sizing) -> l
         + f"profile.prefillLatency, {profile.source}), so one prefiller processes "
         f"T_p = {input_tokens} / {sized.prefill_latency_s:.4g} = {sized.prefill_tps:,.0f} tokens/s",
         f"one prefiller saturates at R* = T_p / L_in = {_rate(sized.saturation_rate)} conversations/s",
-        f"prefillers M = ceil(R / R*) = ceil({_rate(rate)} / {_rate(sized.saturation_rate)}) = {sized.prefillers}"
-        f", saturating at M·R* = {_rate(sized.pool_saturation)} conversations/s",
+        f"the design rate is headroom · R = {spec.headroom:g} · {_rate(rate)} = {_rate(sized.design_rate)} "
+        f"conversations/s; both shapes are sized to meet TTFT {_ms(shapes.ttft_objective_s)} and TPOT "
+        f"{_ms(shapes.tpot_objective_s)} (the tightest online class's objectives) there",
         f"one decoder holds B = floor({profile.kv_capacity_tokens} KV tokens / {profile.live_context_tokens} "
         f"live tokens per conversation) = {load.kv_slots} conversations",
-        f"decoders are sized for min(M·R*, headroom·R) = min({_rate(sized.pool_saturation)}, "
-        f"{spec.headroom:g}·{_rate(rate)}) = {_rate(sized.design_rate)} conversations/s",
         *([profile.decode_basis] if profile.decode_basis else []),
         *explain_decoder_work(workload, profile, sized.kept, sized.evicted, load),
-        f"throughput needs R·(L_d + w·A) / T_d = {_rate(sized.design_rate)}·({workload.output_tokens} + "
-        f"{load.weight(profile.decode_throughput_tokens_per_s):.3g}·{load.prefill_tokens:,.0f}) / "
-        f"{profile.decode_throughput_tokens_per_s:g} = {sized.throughput_need:.3f} decoders; memory needs "
-        f"R·W_kv / B = {_rate(sized.design_rate)}·{load.kv_held_s:.4g} / {load.kv_slots} = "
-        f"{sized.memory_need:.3f} decoders; {sized.binding.value} binds",
-        f"decoders N = ceil(headroom · {need:.3f}) = ceil({spec.headroom:g} · {need:.3f}) = {sized.decoders}"
-        f" ({sized.saturation_rate * load.per_rate:.3f} decoders per saturated prefiller before headroom)",
-        f"as load rises, {capacities.first_bottleneck().value} saturates first: prefillers at "
-        f"{_rate(capacities.prefiller_per_s)}, decoder throughput at {_rate(capacities.decoder_throughput_per_s)}, "
-        f"decoder memory at {_rate(capacities.decoder_memory_per_s)} conversations/s",
+        f"at the design rate, decode throughput needs λ·(L_d + w·A) / T_d = {_rate(sized.design_rate)}·"
+        f"({workload.output_tokens} + {load.weight(profile.decode_throughput_tokens_per_s):.3g}·"
+        f"{load.prefill_tokens:,.0f}) / {profile.decode_throughput_tokens_per_s:g} = {sized.throughput_need:.3f} "
+        f"decoders and memory λ·W_kv / B = {_rate(sized.design_rate)}·{load.kv_held_s:.4g} / {load.kv_slots} = "
+        f"{sized.memory_need:.3f} decoders ({sized.binding.value} binds)",
     ]
 
 
@@ -322,3 +359,11 @@ def _clamp(role: str, wanted: int, low: int, high: int, warnings: list[str]) -> 
 
 def _rate(value: float) -> str:
     return f"{value:.4g}"
+
+
+def _s(seconds: float) -> str:
+    return "unbounded" if seconds >= 1e12 else f"{seconds:.3g} s"
+
+
+def _ms(seconds: float) -> str:
+    return "unbounded" if seconds >= 1e12 else f"{seconds * 1000:.4g} ms"
