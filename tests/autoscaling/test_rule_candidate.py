@@ -52,14 +52,14 @@ def test_the_rule_is_the_hpa_s_formula(current: int, requests: float | None, tar
 
 
 def test_the_rule_s_extra_replicas_are_added_when_the_backlog_outlasts_a_start_up() -> None:
-    # one prefiller serves 4.76/s; at 4.5/s it has 0.26/s to spare, so 30 waiting take ~115 s to clear, longer
-    # than the 60 s a new one takes to start: the rule's 20 are capped at the 2 that serve 4.5/s and clear them
+    # two prefillers serve 9.52/s; at 4.5/s they have 5.02/s to spare, so 400 waiting take ~80 s to clear, longer
+    # than the 60 s a new one takes to start: the rule's 205 are capped at the 3 that serve 4.5/s and clear them
     base = planned(4.5)
-    signals = Signals(arrival_rate_per_s=4.5, prefiller_queue=30.0, prefiller_requests=40.0)
+    signals = Signals(arrival_rate_per_s=4.5, prefiller_queue=200.0, prefiller_requests=410.0)
     decision = decide(SPEC, signals, base, 1000.0, thresholds=LIMITS)
-    assert base.prefillers == 1
-    assert decision.replicas.prefillers == 2
-    assert "the queue-length rule (40 running + waiting, target 2 each) asks for 20; at most 2 serve" in decision.reason
+    assert base.prefillers == 2
+    assert decision.replicas.prefillers == 3
+    assert "the queue-length rule (410 running + waiting, target 2 each) asks for 205; at most 3 serve" in decision.reason
 
 
 def test_the_rule_s_extra_replicas_are_not_added_for_a_backlog_that_clears_before_they_would_serve() -> None:
@@ -75,17 +75,17 @@ def test_the_rule_s_extra_replicas_are_not_added_for_a_backlog_that_clears_befor
 
 
 def test_a_growing_queue_confirms_the_model_s_need_within_its_tolerance() -> None:
-    # at 4.9/s the model wants 2 prefillers and 5 decoders, 3 % past one prefiller's R*: held at (1, 3) within
-    # the 10 % tolerance. A flat queue of 3 clears in a second on the model's 2: the rule's 4 add nothing. The
-    # same queue grown since the last evaluation is not clearing: the rule asks for 4, the model caps it at
-    # its own 2, and the prefillers go up; the decoders stay held.
-    signals = Signals(arrival_rate_per_s=4.9, prefiller_queue=3.0, prefiller_requests=8.0)
-    flat = decide(SPEC, signals, Replicas(1, 3), 1000.0, thresholds=LIMITS, last_prefiller_queue=3.0)
-    grew = decide(SPEC, signals, Replicas(1, 3), 1000.0, thresholds=LIMITS, last_prefiller_queue=1.0)
-    assert planned(4.9) == Replicas(2, 5)
-    assert flat.replicas == Replicas(1, 3) and ": 4 prefillers, not added: its 2 serve" in flat.reason
-    assert grew.replicas == Replicas(2, 3)
-    assert "asks for 4; at most 2 serve 4.9/s" in grew.reason
+    # at 5.5/s the model wants 3 prefillers and 4 decoders: held at (2, 3) within the 10 % tolerance. A small flat
+    # queue clears on the two: the rule's 4 add nothing. A queue that grew past what two clear within a start-up
+    # confirms the model's third prefiller (the rule's 135 capped at it); the decoders stay held.
+    small = Signals(arrival_rate_per_s=5.5, prefiller_queue=3.0, prefiller_requests=8.0)
+    flat = decide(SPEC, small, Replicas(2, 3), 1000.0, thresholds=LIMITS, last_prefiller_queue=3.0)
+    assert planned(5.5) == Replicas(3, 4)
+    assert flat.replicas == Replicas(2, 3) and ": 4 prefillers, not added: its 3 serve" in flat.reason
+    large = Signals(arrival_rate_per_s=5.5, prefiller_queue=130.0, prefiller_requests=270.0)
+    grew = decide(SPEC, large, Replicas(2, 3), 1000.0, thresholds=LIMITS, last_prefiller_queue=100.0)
+    assert grew.replicas == Replicas(3, 3)
+    assert "asks for 135; at most 3 serve 5.5/s" in grew.reason and "decoders held at 3" in grew.reason
 
 
 def test_the_decoders_rule_targets_what_a_decoder_s_kv_cache_holds_by_default() -> None:
