@@ -89,7 +89,10 @@ def run_local_pool(
 ) -> int:
     spec = pool.spec
     name = pool.metadata.name
-    print(f"\non this machine: {prefillers} prefiller(s) and {decoders} decoder(s), and the router", flush=True)
+    shape = "aggregated engines" if plan.aggregated else "P/D"
+    engines = (f"{decoders} engine(s) that prefill their own turns" if prefillers == 0
+               else f"{prefillers} prefiller(s) and {decoders} decoder(s)")  # fmt: skip
+    print(f"\non this machine ({shape}, as planned, scaled to it): {engines}, and the router", flush=True)
     model_path = model or _local_model(spec.model.name)
     served = spec.model.served_model_name or spec.model.name
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"coserve-up-{name}-"))

@@ -66,7 +66,7 @@ async def test_a_new_pool_gets_its_children_and_an_honest_status(kmock: kmocklib
         assert condition(kmock, "PlanValid")["status"] == "True"
         # the emulator runs no Deployment controller: nothing becomes ready, and the status says so
         assert condition(kmock, "Ready")["status"] == "False"
-        assert status["decoders"] == f"{decoders}/0"
+        assert status["decoders"] == f"0/{decoders}"  # ready/desired
         # no finalizer: deleting a pool never waits for the operator
         assert not kmock.objects[POOLS, NS, "chat"]["metadata"].get("finalizers")
         # the router token: random, generated once, mounted by router and engines

@@ -109,7 +109,7 @@ def test_a_converged_pool_does_nothing_and_is_ready() -> None:
     assert condition(status, "Progressing")["reason"] == "Converged"
     assert condition(status, "Degraded")["status"] == "False"
     decoders = status["replicas"]["decoders"]
-    assert status["decoders"] == f"{decoders['desired']}/{decoders['ready']}"
+    assert status["decoders"] == f"{decoders['ready']}/{decoders['desired']}"  # as kubectl prints READY
 
 
 def test_two_reconciles_of_the_same_state_decide_the_same_thing() -> None:

@@ -136,7 +136,9 @@ def _add_up_command(commands: Any) -> None:
     up = commands.add_parser(
         "up",
         help="run a pool on this machine: prefiller and decoder engines and the router, no Kubernetes",
-        description="Print the pool's plan, start --prefillers prefiller and --decoders decoder vLLM engines "
+        description="Print the pool's plan, start its shape scaled to this machine (P/D: one prefiller and one "
+        "decoder; aggregated: two engines that prefill their own turns; --prefillers and --decoders change the "
+        "counts) as vLLM engines "
         "(the manifest's model when it is a local folder, else a tiny random-weight model) and the router, and "
         "print the OpenAI base URL. Ctrl-C or SIGTERM stops every process. --once sends one two-turn "
         "conversation through the router and stops.",
@@ -144,8 +146,10 @@ def _add_up_command(commands: Any) -> None:
     up.add_argument("file", help="CoServePool manifest (YAML or JSON)")
     _add_profile_option(up)
     up.add_argument("--model", metavar="PATH", help="a local model folder (overrides spec.model.name)")
-    up.add_argument("--prefillers", type=int, default=1, help="prefiller engines on this machine (default 1)")
-    up.add_argument("--decoders", type=int, default=1, help="decoder engines on this machine (default 1)")
+    up.add_argument("--prefillers", type=int, default=None,
+                    help="prefiller engines on this machine (default: 1 for a P/D plan, 0 for aggregated engines)")
+    up.add_argument("--decoders", type=int, default=None,
+                    help="decoder engines on this machine (default: 1 for a P/D plan, 2 aggregated engines)")  # fmt: skip
     up.add_argument("--port", type=int, default=8080, help="the router's port (default 8080; 0: any free port)")
     up.add_argument("--once", action="store_true", help="send one two-turn conversation, print it, stop")
     up.set_defaults(handler=_cmd_up)
@@ -153,6 +157,12 @@ def _add_up_command(commands: Any) -> None:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     problems = []
+    pool, _, plan = load_planned(args.file, args.profile)
+    # the plan's shape on this machine's two cores: P/D as one prefiller and one decoder, aggregated as two engines
+    if args.prefillers is None:
+        args.prefillers = 0 if plan.aggregated else 1
+    if args.decoders is None:
+        args.decoders = 2 if plan.aggregated else 1
     if not 0 <= args.prefillers <= 8:
         problems.append(Problem("--prefillers", f"must be 0 to 8 on one machine, got {args.prefillers}"))
     if not 1 <= args.decoders <= 8:
@@ -163,7 +173,6 @@ def _cmd_up(args: argparse.Namespace) -> int:
         problems.append(Problem("--model", f"{args.model} is not a model folder"))
     if problems:
         raise InvalidInput(problems, source="coserve up")
-    pool, _, plan = load_planned(args.file, args.profile)
     _print_table(pool, plan, sys.stdout)
     from coserve.local import run_local_pool
 
