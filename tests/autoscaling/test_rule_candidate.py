@@ -59,7 +59,9 @@ def test_the_rule_s_extra_replicas_are_added_when_the_backlog_outlasts_a_start_u
     decision = decide(SPEC, signals, base, 1000.0, thresholds=LIMITS)
     assert base.prefillers == 2
     assert decision.replicas.prefillers == 3
-    assert "the queue-length rule (410 running + waiting, target 2 each) asks for 205; at most 3 serve" in decision.reason
+    assert (
+        "the queue-length rule (410 running + waiting, target 2 each) asks for 205; at most 3 serve" in decision.reason
+    )
 
 
 def test_the_rule_s_extra_replicas_are_not_added_for_a_backlog_that_clears_before_they_would_serve() -> None:

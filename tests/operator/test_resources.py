@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,6 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from coserve.api.status import PlanUtilization
 from coserve.api import CoServePool, Plan, parse_pool
 from coserve.api.problems import InvalidInput
 from coserve.api.profile import EngineProfile
@@ -25,6 +23,7 @@ from coserve.api.spec import (
     OPERATOR_VOLUMES,
     ROUTER_MOUNT_PATHS,
 )
+from coserve.api.status import PlanUtilization
 from coserve.operator.resources import (
     CHILDREN,
     CONFIG_HASH_ANNOTATION,

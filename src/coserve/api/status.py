@@ -28,9 +28,9 @@ __all__ = [
     "Plan",
     "PlanUtilization",
     "ReplicaStatus",
-    "ShapeOption",
     "RoleCounts",
     "RoleReplicas",
+    "ShapeOption",
     "StatusModel",
 ]
 
@@ -107,16 +107,16 @@ class ShapeOption(ApiModel):
     decoders: int = Field(ge=1, description="decoders is N: the engines that decode (every engine when aggregated).")
     engines: int = Field(ge=1, description="engines is prefillers + decoders.")
     limit: str = Field(
-        description="limit is what sets the decoders' count (one engine fewer would break it): Prefiller, DecoderThroughput, "
-        "DecoderMemory (saturation), TTFT or TPOT (an objective), or Minimum (one engine of each role)."
+        description="limit is what sets the decoders' count (one engine fewer would break it): DecoderThroughput "
+        "or DecoderMemory (saturation), TTFT or TPOT (an objective), or Minimum (one engine)."
     )
     prefillers_limit: str = Field(
         default="", description="prefillersLimit is what sets the prefillers' count (P/D): Prefiller, TTFT or Minimum."
     )
     ttft_p95_s: float = Field(ge=0, description="ttftP95S is the predicted p95 time to turn 1's first token.")
     ttfet_p95_s: float = Field(
-        ge=0, description="ttfetP95S is the predicted p95 time from a conversation's arrival to its last turn's "
-        "first token."
+        ge=0,
+        description="ttfetP95S is the predicted p95 time from a conversation's arrival to its last turn's first token.",
     )
     tpot_s: float = Field(ge=0, description="tpotS is the predicted mean time per output token.")
     saturation_rate_per_s: float = Field(

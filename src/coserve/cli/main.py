@@ -146,10 +146,15 @@ def _add_up_command(commands: Any) -> None:
     up.add_argument("file", help="CoServePool manifest (YAML or JSON)")
     _add_profile_option(up)
     up.add_argument("--model", metavar="PATH", help="a local model folder (overrides spec.model.name)")
-    up.add_argument("--prefillers", type=int, default=None,
-                    help="prefiller engines on this machine (default: 1 for a P/D plan, 0 for aggregated engines)")
-    up.add_argument("--decoders", type=int, default=None,
-                    help="decoder engines on this machine (default: 1 for a P/D plan, 2 aggregated engines)")  # fmt: skip
+    up.add_argument(
+        "--prefillers",
+        type=int,
+        default=None,
+        help="prefiller engines on this machine (default: 1 for a P/D plan, 0 for aggregated engines)",
+    )
+    up.add_argument(
+        "--decoders", type=int, default=None, help="decoder engines on this machine (default: 1 for P/D, 2 aggregated)"
+    )
     up.add_argument("--port", type=int, default=8080, help="the router's port (default 8080; 0: any free port)")
     up.add_argument("--once", action="store_true", help="send one two-turn conversation, print it, stop")
     up.set_defaults(handler=_cmd_up)
@@ -659,8 +664,16 @@ def _print_table(pool: CoServePool, plan: Plan, stream: TextIO) -> None:
             if plan.aggregated
             else f"{plan.binding_constraint.value} binds among the decoders' needs",
         ),
-        ("bottleneck", plan.bottleneck.value, f"saturates first as load rises, at {plan.pool_saturation_rate_per_s:.4g} conv/s"),
-        ("prefill throughput", f"{plan.prefill_throughput_tokens_per_s:,.0f}", "tokens/s of one engine prefilling (T_p)"),
+        (
+            "bottleneck",
+            plan.bottleneck.value,
+            f"saturates first as load rises, at {plan.pool_saturation_rate_per_s:.4g} conv/s",
+        ),
+        (
+            "prefill throughput",
+            f"{plan.prefill_throughput_tokens_per_s:,.0f}",
+            "tokens/s of one engine prefilling (T_p)",
+        ),
         ("KV slots", str(plan.kv_slots_per_decoder), "conversations per decoder (B)"),
         (
             "decoder prefill",
@@ -708,8 +721,13 @@ def _shape_table(shapes: ShapeComparison) -> list[str]:
         ("p95 TTFET", [seconds(option.ttfet_p95_s) for _, option, _ in options]),
         ("mean TPOT", [seconds(option.tpot_s) for _, option, _ in options]),
         ("count set by", [option.limit for _, option, _ in options]),
-        ("saturates at", ["unbounded" if o.saturation_rate_per_s >= 1e12 else f"{o.saturation_rate_per_s:.4g}/s"
-                          for _, o, _ in options]),  # fmt: skip
+        (
+            "saturates at",
+            [
+                "unbounded" if o.saturation_rate_per_s >= 1e12 else f"{o.saturation_rate_per_s:.4g}/s"
+                for _, o, _ in options
+            ],
+        ),
         ("cannot meet", [", ".join(option.unmet) or "-" for _, option, _ in options]),
     ]
     width = max(len(name) for name, _ in rows)

@@ -119,8 +119,9 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile, kept_shape: PoolShape |
         decoders=decoders,
         prefill_throughput_tokens_per_s=sized.prefill_tps,
         saturation_rate_per_s=sized.saturation_rate,
-        pool_saturation_rate_per_s=min(capacities.prefiller_per_s, capacities.decoder_throughput_per_s,
-                                       capacities.decoder_memory_per_s),  # fmt: skip
+        pool_saturation_rate_per_s=min(
+            capacities.prefiller_per_s, capacities.decoder_throughput_per_s, capacities.decoder_memory_per_s
+        ),
         design_rate_per_s=sized.design_rate,
         **_load_figures(profile, sized),
         binding_constraint=sized.binding,
@@ -135,10 +136,11 @@ def make_plan(spec: SpecModel, profile: ResolvedProfile, kept_shape: PoolShape |
             *_explanation(spec, profile, sized),
             f"decoders N = {option.decoders}: the fewest that decode at {_rate(sized.design_rate)} conversations/s "
             f"within the objectives ({_limit_words(option.limit)}); predicted mean TPOT {_ms(option.tpot_s)}",
-            f"prefillers M = {option.prefillers}: the fewest whose turn-1 queue (M/G/c at {_rate(sized.design_rate)}/s, "
-            f"service {sized.prefill_latency_s:.4g} s, utilisation {sized.design_rate / (option.prefillers * sized.saturation_rate):.0%}) "
-            f"keeps turn 1's p95 TTFT within {_ms(sized.shapes.ttft_objective_s)} ({_limit_words(option.prefillers_limit)}): "
-            f"predicted {_s(option.ttft_p95_s)}",
+            f"prefillers M = {option.prefillers}: the fewest whose turn-1 queue (M/G/c at "
+            f"{_rate(sized.design_rate)}/s, service {sized.prefill_latency_s:.4g} s, utilisation "
+            f"{sized.design_rate / (option.prefillers * sized.saturation_rate):.0%}) keeps turn 1's p95 TTFT within "
+            f"{_ms(sized.shapes.ttft_objective_s)} ({_limit_words(option.prefillers_limit)}): predicted "
+            f"{_s(option.ttft_p95_s)}",
             f"predicted p95 TTFET (arrival to the last turn's first token) {_s(option.ttfet_p95_s)}",
             _saturation_line(bottleneck, capacities),
             _shape_line(sized.shapes),
