@@ -22,12 +22,21 @@ work queues for, ``SimResult.first_bottleneck``). The class is the pool's ``stan
 200 ms); a request whose own prefill alone takes longer than a fifth of that gets 5x its unloaded prefill
 as its TTFT objective (the Mooncake trace has 126k-token prompts, 24 s to prefill on an idle H100).
 
+The shape grid, before the cases: does the plan pick the right shape, and does it predict what the shape gives?
+Three workloads (the conversation-level P/D paper's agentic one, 15k-token first turns; the Mooncake trace; the
+Azure conversation trace, short chat) x both profiles x three design rates (0.5, 0.8 and 1.0 of the smaller
+shape's capacity on 8 engines). At each, the plan (headroom 1, ``spec.shape: Auto``) sizes both shapes for the
+pool's objectives, and both are replayed in the twin at their own engine counts (400 conversations). Target: the
+shape the plan picks has a p95 TTFET no worse than the other's by more than 5 % in at least 90 % of the cells,
+and the plan's predicted p95 TTFET for it is within 25 % of the twin's; the cells where either fails are listed.
+
 Baseline, beside each case: the pool the model planned before it counted what decoders do and the spread
 of prompt lengths (single-turn arithmetic at the mean prompt: T_p = L_in / latency(L_in), N·T_d >= R·L_d
 and N·B >= R·W, every conversation's KV live for its whole lifetime), at the same target rate: its pool
 and its attainment.
 
-    .venv/bin/python benchmarks/plan_check.py                 # ~2 minutes on one core
+    .venv/bin/python benchmarks/plan_check.py                 # ~2 minutes on one core, plus the grid
+    .venv/bin/python benchmarks/plan_check.py --grid-only     # the shape grid alone
     .venv/bin/python benchmarks/plan_check.py --conversations 500 --only mooncake/h100-published
 
 Writes ``benchmarks/results/plan_check.json``.
@@ -50,11 +59,11 @@ from harness.results import Table, write_result
 from harness.stats import say
 from harness.sweep import best_of
 from harness.workload import TRACES
-from simulator_at_scale import ONLINE, ONLINE_ATTAINMENT, lifetimes, online_attainment
+from simulator_at_scale import AGENTIC, ONLINE, ONLINE_ATTAINMENT, lifetimes, online_attainment
 
 from coserve.api.spec import PoolShape, SpecModel
 from coserve.api.status import Plan
-from coserve.bench.workload import Conversation, from_azure, from_mooncake
+from coserve.bench.workload import Conversation, agentic, from_azure, from_mooncake
 from coserve.cli.manifest import load_pool, load_profile, read_file
 from coserve.provisioning import plan_for, resolve_profile
 from coserve.scheduling import SlideConfig, StepCostModel
@@ -392,6 +401,151 @@ def plan_figures(plan: Plan, decode_tps: float) -> dict[str, Any]:
     }
 
 
+# --- the shape grid: the twin judges the plan's choice between P/D and aggregated engines -------------------
+
+GRID_FACTORS = (0.5, 0.8, 1.0)  # design rates, as fractions of the smaller shape's capacity on GRID_ENGINES
+GRID_ENGINES = 8
+GRID_CONVERSATIONS = 400  # per run: p95 needs at least 100 conversations
+PREDICTION_TOLERANCE = 0.25  # the chosen shape's predicted p95 TTFET within 25 % of the twin's
+PICK_TOLERANCE = 0.05  # the chosen shape's p95 TTFET no worse than the other's by more than 5 %
+PICK_SHARE = 0.9  # ... in at least 90 % of the cells
+
+
+class GridWorkload:
+    """One workload of the grid: conversations at a rate, and the numbers the spec states about them."""
+
+    def __init__(self, name: str, conversations: int) -> None:
+        self.name = name
+        self.count = conversations
+        self.trace = None if name == "agentic" else Trace({"chat": "azure"}.get(name, name), conversations)
+        self.static = static_numbers(self.at_rate(1.0))
+
+    def at_rate(self, rate: float) -> list[Conversation]:
+        if self.trace is None:  # the conversation-level P/D paper's agentic workload (ttfet_at_scale's)
+            return agentic(self.count, rate, seed=7, **AGENTIC)  # type: ignore[arg-type]
+        return self.trace.at_rate(rate)
+
+
+def grid_capacity(engine: Engine, workload: GridWorkload) -> float:
+    """The smaller shape's saturation rate on GRID_ENGINES engines, from each option's rate per engine."""
+    probe = engine.plan({**workload.static, "lifetime_s": 1.0, "idle_s": 0.0}, 1.0, shape=PoolShape.AUTO)
+    assert probe.shapes is not None
+    per_engine = [o.saturation_rate_per_s / o.engines for o in (probe.shapes.disaggregated, probe.shapes.aggregated)]
+    return GRID_ENGINES * min(per_engine)
+
+
+def grid_cell(engine: Engine, workload: GridWorkload, factor: float, capacity: float) -> dict[str, Any]:
+    """Both shapes as the plan sizes them at ``factor`` of ``capacity`` (headroom 1: the design rate is the rate
+    they serve), each replayed in the twin; the plan's predicted p95 TTFET beside the twin's."""
+    rate = factor * capacity
+    load = workload.at_rate(rate)
+    # W and g as the spec would state them: a pilot replay at this rate on an ample P/D pool
+    pilot_plan = engine.plan({**workload.static, "lifetime_s": 1.0, "idle_s": 0.0}, 1.5 * rate)
+    pilot = engine.run(pilot_plan, load)
+    later = workload.static["turns"] - 1
+    gap = idle_s(pilot)
+    numbers = {**workload.static, "lifetime_s": max(lifetimes(pilot), 1e-3),
+               "idle_s": min(gap, 0.99 * lifetimes(pilot) / later) if later > 0 else 0.0}  # fmt: skip
+    spec = engine.spec_for(numbers, rate, shape=PoolShape.AUTO).model_copy(update={"headroom": 1.0})
+    plan = plan_for(spec, engine.profile)
+    assert plan.shapes is not None
+    shapes = plan.shapes
+    twin: dict[str, Any] = {}
+    for name, option in (("Disaggregated", shapes.disaggregated), ("Aggregated", shapes.aggregated)):
+        config = dataclasses.replace(engine.config(plan), prefillers=option.prefillers, decoders=option.decoders)
+        ttfet = sorted(PoolSim(config, load, engine.classes(load)).run().ttfet_s())
+        twin[name] = {
+            "prefillers": option.prefillers,
+            "decoders": option.decoders,
+            "predicted_p95_ttfet_s": option.ttfet_p95_s,
+            "predicted_p95_ttft_s": option.ttft_p95_s,
+            "unmet": option.unmet,
+            "conversations": len(ttfet),
+            "twin_p95_ttfet_s": ttfet[int(0.95 * (len(ttfet) - 1))] if len(ttfet) >= 100 else None,
+        }
+    chosen, other = twin[shapes.shape.value], twin["Aggregated" if shapes.shape.value == "Disaggregated" else
+                                                    "Disaggregated"]  # fmt: skip
+    measured, alternative = chosen["twin_p95_ttfet_s"], other["twin_p95_ttfet_s"]
+    error = None if not measured else chosen["predicted_p95_ttfet_s"] / measured - 1.0
+    cell = {
+        "workload": workload.name,
+        "profile": engine.name,
+        "factor": factor,
+        "rate_per_s": rate,
+        "workload_numbers": numbers,
+        "plan_picks": shapes.shape.value,
+        "reason": shapes.reason,
+        "shapes": twin,
+        "prediction_error": error,
+        "prediction_within": error is not None and abs(error) <= PREDICTION_TOLERANCE,
+        "pick_ratio": None if not (measured and alternative) else measured / alternative,
+        "pick_right": bool(measured and alternative and measured <= (1 + PICK_TOLERANCE) * alternative),
+    }
+    split, joined = twin["Disaggregated"], twin["Aggregated"]
+    say(f"plan_check grid {workload.name}/{engine.name} {factor:.1f}x ({rate:.3g}/s): picks {shapes.shape.value}; "
+        f"P/D {split['prefillers']}+{split['decoders']} p95 TTFET {_s(split['twin_p95_ttfet_s'])} (predicted "
+        f"{split['predicted_p95_ttfet_s']:.3g}), aggregated {joined['decoders']} {_s(joined['twin_p95_ttfet_s'])} "
+        f"(predicted {joined['predicted_p95_ttfet_s']:.3g})")  # fmt: skip
+    return cell
+
+
+def _s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g} s"
+
+
+def shape_grid(engines: dict[str, Engine], names: Sequence[str], conversations: int) -> dict[str, Any]:
+    cells = []
+    for name in names:
+        workload = GridWorkload(name, conversations)
+        for engine in engines.values():
+            capacity = grid_capacity(engine, workload)
+            cells += [grid_cell(engine, workload, factor, capacity) for factor in GRID_FACTORS]
+    right = sum(1 for c in cells if c["pick_right"])
+    within = sum(1 for c in cells if c["prediction_within"])
+    return {
+        "target": f"the shape the plan picks has a p95 TTFET no worse than the other's by more than "
+        f"{PICK_TOLERANCE:.0%} in at least {PICK_SHARE:.0%} of the cells, and the plan's predicted p95 TTFET for it "
+        f"is within {PREDICTION_TOLERANCE:.0%} of the twin's",
+        "met": right >= PICK_SHARE * len(cells) and within == len(cells),
+        "cells": cells,
+        "picked_right": f"{right} of {len(cells)}",
+        "predicted_within": f"{within} of {len(cells)}",
+        "wrong_picks": [f"{c['workload']}/{c['profile']} {c['factor']}x" for c in cells if not c["pick_right"]],
+        "off_predictions": [_off(c) for c in cells if not c["prediction_within"]],
+        "setup": {
+            "factors": list(GRID_FACTORS),
+            "engines_for_capacity": GRID_ENGINES,
+            "conversations_per_run": conversations,
+            "headroom": 1.0,
+        },
+    }
+
+
+def _off(cell: dict[str, Any]) -> str:
+    where = f"{cell['workload']}/{cell['profile']} {cell['factor']}x"
+    return where if cell["prediction_error"] is None else f"{where}: {cell['prediction_error']:+.0%}"
+
+
+def print_grid(grid: dict[str, Any]) -> None:
+    table = Table("cell", [("picks", 14), ("P/D", 6), ("agg", 5), ("P/D p95", 9), ("agg p95", 9), ("pred", 8),
+                           ("err", 6), ("ok", 4)], label_width=26)  # fmt: skip
+    for c in grid["cells"]:
+        split, joined = c["shapes"]["Disaggregated"], c["shapes"]["Aggregated"]
+        chosen = c["shapes"][c["plan_picks"]]
+        table.row(
+            f"{c['workload']}/{c['profile']} {c['factor']:.1f}x",
+            c["plan_picks"],
+            f"{split['prefillers']}+{split['decoders']}",
+            str(joined["decoders"]),
+            _s(split["twin_p95_ttfet_s"]),
+            _s(joined["twin_p95_ttfet_s"]),
+            f"{chosen['predicted_p95_ttfet_s']:.3g} s",
+            "n/a" if c["prediction_error"] is None else f"{c['prediction_error']:+.0%}",
+            "yes" if c["pick_right"] and c["prediction_within"] else "no",
+        )
+    print(f"shape grid: picked right in {grid['picked_right']}, predicted within 25 % in {grid['predicted_within']}")
+
+
 # --- main -------------------------------------------------------------------------------------------------
 
 
@@ -400,6 +554,9 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=2000, help="conversations per run (default 2000)")
     cases = [f"{t}/{p}" for t in TRACE_FILES for p in PROFILES]
     parser.add_argument("--only", action="append", choices=cases, help="run only these cases (no JSON written)")
+    parser.add_argument("--grid-only", action="store_true", help="run only the shape grid (no JSON written)")
+    parser.add_argument("--grid-conversations", type=int, default=GRID_CONVERSATIONS,
+                        help=f"conversations per shape-grid run (default {GRID_CONVERSATIONS})")  # fmt: skip
     args = parser.parse_args()
     for path in TRACE_FILES.values():
         if not path.exists():
@@ -407,6 +564,10 @@ def main() -> int:
             return 2
     started = time.perf_counter()
     engines = {name: Engine(name) for name in PROFILES}
+    grid = shape_grid(engines, ("agentic", "mooncake", "chat"), args.grid_conversations)
+    print_grid(grid)
+    if args.grid_only:
+        return 0
     results = []
     for trace_name in TRACE_FILES:
         trace = Trace(trace_name, args.conversations)
@@ -421,9 +582,11 @@ def main() -> int:
         "benchmark": "plan_check",
         "target": f"in each of the 4 cases (Azure and Mooncake traces x H100 published and H200 measured "
         f"profiles), the planned pool attains >= {ONLINE_ATTAINMENT:.0%} of online requests from 0.2x up to the "
-        "target rate, and the prefiller is the first resource to saturate past it (1.2x, 1.5x)",
-        "met": all(c["met"] for c in results),
+        "target rate, and the prefiller is the first resource to saturate past it (1.2x, 1.5x); and the shape "
+        "grid's target (shape_grid.target)",
+        "met": all(c["met"] for c in results) and grid["met"],
         "cases": results,
+        "shape_grid": grid,
         "setup": {
             "conversations_per_run": args.conversations,
             "factors": list(FACTORS),

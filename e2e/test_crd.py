@@ -134,7 +134,7 @@ def test_examples_apply_and_list_with_printer_columns(
     assert len(example_pools) == len(EXAMPLES) > 0
 
     lines = kubectl("get", "csp", "-n", namespace).stdout.splitlines()
-    assert lines[0].split() == ["NAME", "PREFILLERS", "DECODERS", "READY", "BOTTLENECK", "AGE"]
+    assert lines[0].split() == ["NAME", "SHAPE", "PREFILLERS", "DECODERS", "READY", "BOTTLENECK", "AGE"]
     assert set(example_pools) <= {line.split()[0] for line in lines[1:]}
 
 
@@ -199,7 +199,7 @@ def test_status_is_a_subresource(kubectl: Kubectl, namespace: str) -> None:
     assert pool["status"]["prefillers"] == "2/1"
     assert pool["metadata"]["generation"] == generation  # status writes do not bump the spec's generation
     row = kubectl("get", "csp", "status-check", "-n", namespace, "--no-headers").stdout.split()
-    assert row[1] == "2/1"  # the PREFILLERS printer column
+    assert row[2] == "2/1"  # the PREFILLERS printer column (SHAPE, before it, is <none>: no plan yet)
 
     # A write to the main resource changes spec; the status it carries is ignored.
     spec_patch = json.dumps({"spec": {"headroom": 2.0}, "status": {"prefillers": "9/9"}})

@@ -32,4 +32,20 @@ def test_the_committed_verdict_is_computed_from_its_figures(plan_check: ModuleTy
         up_to = [r["attainment"] for r in case["sweep"] if r["factor"] <= 1.0]
         past = [r["first_bottleneck"] for r in case["sweep"] if r["factor"] > 1.0]
         assert case["met"] == (min(up_to) >= plan_check.ONLINE_ATTAINMENT and all(p == "Prefiller" for p in past))
-    assert document["met"] == all(c["met"] for c in cases)
+    grid = document["shape_grid"]
+    cells = grid["cells"]
+    assert {c["workload"] for c in cells} == {"agentic", "mooncake", "chat"}
+    assert {c["factor"] for c in cells} == set(plan_check.GRID_FACTORS)
+    for cell in cells:
+        chosen = cell["shapes"][cell["plan_picks"]]
+        other = cell["shapes"]["Aggregated" if cell["plan_picks"] == "Disaggregated" else "Disaggregated"]
+        measured, alternative = chosen["twin_p95_ttfet_s"], other["twin_p95_ttfet_s"]
+        assert cell["pick_right"] == bool(
+            measured and alternative and measured <= (1 + plan_check.PICK_TOLERANCE) * alternative
+        )
+        error = None if not measured else chosen["predicted_p95_ttfet_s"] / measured - 1
+        assert cell["prediction_within"] == (error is not None and abs(error) <= plan_check.PREDICTION_TOLERANCE)
+    right = sum(c["pick_right"] for c in cells)
+    within = sum(c["prediction_within"] for c in cells)
+    assert grid["met"] == (right >= plan_check.PICK_SHARE * len(cells) and within == len(cells))
+    assert document["met"] == (all(c["met"] for c in cases) and grid["met"])
