@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 import yaml
 
+from coserve.cli.manifest import load_pool, load_profile, read_file
 from coserve.engine.rendered import connector_names, engine_container
 from coserve.engine.tiny_model import TinyModelSpec, build_tiny_model
+from coserve.provisioning import plan_for
 
 pytestmark = pytest.mark.slow
 
@@ -136,11 +138,28 @@ def test_cuda_graphs_as_the_readme_says(resolved: list[tuple[str, dict[str, Any]
         assert config["cudagraph_mode"] == expected, name
 
 
+def aggregated_examples() -> set[str]:
+    """The examples whose plan takes aggregated engines: their engines hand no KV over (no NIXL, vLLM's kv_both)."""
+    out = set()
+    for path in gpu_examples():
+        profile = load_profile(read_file(str(PROFILE))) if "configMapRef" in path.read_text() else None
+        if plan_for(load_pool(read_file(str(path))).spec, profile).aggregated:
+            out.add(path.name)
+    return out
+
+
 def test_kv_connectors_by_role(resolved: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> None:
     """Both roles on GPUs: vLLM's MultiConnector, coserve's connector first (safepoints) and NixlConnector
-    after it (the handoff), each with the role's direction."""
+    after it (the handoff), each with the role's direction. An aggregated pool's engines: coserve's alone, both
+    directions (its prefiller Deployment, at 0 replicas, is rendered the same)."""
+    aggregated = aggregated_examples()
+    assert aggregated and aggregated < {p.name for p in gpu_examples()}  # both kinds are checked
     for name, _, config in resolved:
         transfer = config["kv_transfer_config"]
+        if name.split("/")[0] in aggregated:
+            assert transfer["kv_role"] == "kv_both", name
+            assert connector_names(transfer) == ["CoServeConnector"], name
+            continue
         role = "kv_producer" if name.endswith("/prefiller") else "kv_consumer"
         assert transfer["kv_role"] == role, name
         assert connector_names(transfer) == ["CoServeConnector", "NixlConnector"], name
@@ -149,8 +168,13 @@ def test_kv_connectors_by_role(resolved: list[tuple[str, dict[str, Any], dict[st
 
 def test_nixl_side_channel_on_the_pod_ip(resolved: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> None:
     """NixlConnector's side channel is where a prefiller listens and what it tells a decoder to connect to;
-    vLLM's default, ``localhost``, makes a decoder in another pod connect to itself."""
+    vLLM's default, ``localhost``, makes a decoder in another pod connect to itself. Aggregated engines run no
+    NIXL, and get neither."""
+    aggregated = aggregated_examples()
     for name, container, config in resolved:
+        if name.split("/")[0] in aggregated:
+            assert "NIXL_SIDE_CHANNEL_HOST" not in pod_env(container), name
+            continue
         assert config["nixl_side_channel_host"] == POD_IP, (
             f"{name}: the side channel binds {config['nixl_side_channel_host']}"
         )

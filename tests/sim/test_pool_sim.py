@@ -197,8 +197,9 @@ def test_the_command_mixes_classes_harvests_offline_work_autoscales_and_plots(tm
     assert report["classes"]["standard"]["requests"] > report["classes"]["interactive"]["requests"]
     assert report["offline_tokens_per_s"] > 0
     assert report["setup"]["autoscale"] and report["replicas"]["series"]
-    # examples/pool.yaml plans aggregated engines with the H100 profile: the simulated pool runs no prefillers
-    assert report["plan"]["shape"] == "Aggregated" and report["plan"]["prefillers"] == 0
+    # examples/pool.yaml plans P/D (its 1 s TTFT objective with 15k-token first turns): the simulated pool has
+    # the plan's prefillers
+    assert report["plan"]["shape"] == "Disaggregated" and report["plan"]["prefillers"] == 3
     assert report["plan"]["bottleneck"] == "DecoderThroughput" and report["first_bottleneck"] is not None
     assert (tmp_path / "sim.png").stat().st_size > 10_000
     bad = subprocess.run([*command, "--class-mix", "gold=1"], capture_output=True, text=True, check=False, cwd=ROOT)
