@@ -26,7 +26,8 @@ The shape grid, before the cases: does the plan pick the right shape, and does i
 Three workloads (the conversation-level P/D paper's agentic one, 15k-token first turns; the Mooncake trace; the
 Azure conversation trace, short chat) x both profiles x three design rates (0.5, 0.8 and 1.0 of the smaller
 shape's capacity on 8 engines). At each, the plan (headroom 1, ``spec.shape: Auto``) sizes both shapes for the
-pool's objectives, and both are replayed in the twin at their own engine counts (400 conversations). Target: the
+pool's objectives; its pick, and the other shape on as many engines, are replayed in the twin (400 conversations;
+a P/D split of an aggregated pick as the plan's own P/D option splits). Target: the
 shape the plan picks has a p95 TTFET no worse than the other's by more than 5 % in at least 90 % of the cells,
 and the plan's predicted p95 TTFET for it is within 25 % of the twin's; the cells where either fails are listed.
 
@@ -48,6 +49,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -405,7 +407,9 @@ def plan_figures(plan: Plan, decode_tps: float) -> dict[str, Any]:
 
 GRID_FACTORS = (0.5, 0.8, 1.0)  # design rates, as fractions of the smaller shape's capacity on GRID_ENGINES
 GRID_ENGINES = 8
-GRID_CONVERSATIONS = 400  # per run: p95 needs at least 100 conversations
+GRID_CONVERSATIONS = 400  # per run at least (p95 needs 100), and at least GRID_SPAN_S of arrivals
+GRID_SPAN_S = 120.0
+GRID_MAX_NUM_SEQS = 1024  # vLLM 0.32's default on an H100 or H200 behind its API server (the twin's own is 256)
 PREDICTION_TOLERANCE = 0.25  # the chosen shape's predicted p95 TTFET within 25 % of the twin's
 PICK_TOLERANCE = 0.05  # the chosen shape's p95 TTFET no worse than the other's by more than 5 %
 PICK_SHARE = 0.9  # ... in at least 90 % of the cells
@@ -417,13 +421,17 @@ class GridWorkload:
     def __init__(self, name: str, conversations: int) -> None:
         self.name = name
         self.count = conversations
-        self.trace = None if name == "agentic" else Trace({"chat": "azure"}.get(name, name), conversations)
-        self.static = static_numbers(self.at_rate(1.0))
+        trace = {"chat": "azure"}.get(name, name)
+        self.trace = None if name == "agentic" else Trace(trace, 100_000)  # the whole trace, sliced per run
+        # the whole trace's numbers (each cell states its own slice's: the trace's prompts grow along it)
+        self.static = static_numbers(self.trace.at(1.0) if self.trace is not None else self.at_rate(1.0))
 
     def at_rate(self, rate: float) -> list[Conversation]:
+        """At least ``count`` conversations, and at least GRID_SPAN_S of arrivals: a steady state, not a burst."""
+        count = max(self.count, math.ceil(rate * GRID_SPAN_S))
         if self.trace is None:  # the conversation-level P/D paper's agentic workload (ttfet_at_scale's)
-            return agentic(self.count, rate, seed=7, **AGENTIC)  # type: ignore[arg-type]
-        return self.trace.at_rate(rate)
+            return agentic(count, rate, seed=7, **AGENTIC)  # type: ignore[arg-type]
+        return self.trace.at_rate(rate)[:count]
 
 
 def grid_capacity(engine: Engine, workload: GridWorkload) -> float:
@@ -435,30 +443,47 @@ def grid_capacity(engine: Engine, workload: GridWorkload) -> float:
 
 
 def grid_cell(engine: Engine, workload: GridWorkload, factor: float, capacity: float) -> dict[str, Any]:
-    """Both shapes as the plan sizes them at ``factor`` of ``capacity`` (headroom 1: the design rate is the rate
-    they serve), each replayed in the twin; the plan's predicted p95 TTFET beside the twin's."""
+    """The shape the plan picks at ``factor`` of ``capacity`` (headroom 1: the design rate is the rate it serves),
+    and the other shape on as many engines, each replayed in the twin; the plan's predicted p95 TTFET for its pick
+    beside the twin's."""
     rate = factor * capacity
     load = workload.at_rate(rate)
+    static = static_numbers(load)  # what this run's conversations are, as a user would state them
     # W and g as the spec would state them: a pilot replay at this rate on an ample P/D pool
-    pilot_plan = engine.plan({**workload.static, "lifetime_s": 1.0, "idle_s": 0.0}, 1.5 * rate)
+    pilot_plan = engine.plan({**static, "lifetime_s": 1.0, "idle_s": 0.0}, 1.5 * rate)
     pilot = engine.run(pilot_plan, load)
-    later = workload.static["turns"] - 1
+    later = static["turns"] - 1
     gap = idle_s(pilot)
-    numbers = {**workload.static, "lifetime_s": max(lifetimes(pilot), 1e-3),
+    numbers = {**static, "lifetime_s": max(lifetimes(pilot), 1e-3),
                "idle_s": min(gap, 0.99 * lifetimes(pilot) / later) if later > 0 else 0.0}  # fmt: skip
     spec = engine.spec_for(numbers, rate, shape=PoolShape.AUTO).model_copy(update={"headroom": 1.0})
     plan = plan_for(spec, engine.profile)
     assert plan.shapes is not None
     shapes = plan.shapes
+    picked = shapes.option()
+    engines = picked.engines
+    # the other shape on as many engines (P/D split as the plan's own P/D option splits)
+    if shapes.shape is PoolShape.AGGREGATED:
+        split = shapes.disaggregated
+        prefillers = min(max(1, round(engines * split.prefillers / split.engines)), engines - 1)
+        counts = {"Aggregated": (0, engines), "Disaggregated": (prefillers, engines - prefillers)}
+    else:
+        counts = {"Disaggregated": (picked.prefillers, picked.decoders), "Aggregated": (0, engines)}
     twin: dict[str, Any] = {}
-    for name, option in (("Disaggregated", shapes.disaggregated), ("Aggregated", shapes.aggregated)):
-        config = dataclasses.replace(engine.config(plan), prefillers=option.prefillers, decoders=option.decoders)
-        ttfet = sorted(PoolSim(config, load, engine.classes(load)).run().ttfet_s())
+    for name, (prefillers, decoders) in counts.items():
+        option = shapes.option(PoolShape(name))
+        ttfet: list[float] = []
+        if decoders >= 1 and (prefillers >= 1 or name == "Aggregated"):
+            config = dataclasses.replace(engine.config(plan), prefillers=prefillers, decoders=decoders,
+                                         max_num_seqs=GRID_MAX_NUM_SEQS)  # fmt: skip
+            ttfet = sorted(PoolSim(config, load, engine.classes(load)).run().ttfet_s())
         twin[name] = {
-            "prefillers": option.prefillers,
-            "decoders": option.decoders,
-            "predicted_p95_ttfet_s": option.ttfet_p95_s,
-            "predicted_p95_ttft_s": option.ttft_p95_s,
+            "prefillers": prefillers,
+            "decoders": decoders,
+            "planned_prefillers": option.prefillers,
+            "planned_decoders": option.decoders,
+            "predicted_p95_ttfet_s": option.ttfet_p95_s if name == shapes.shape.value else None,
+            "predicted_p95_ttft_s": option.ttft_p95_s if name == shapes.shape.value else None,
             "unmet": option.unmet,
             "conversations": len(ttfet),
             "twin_p95_ttfet_s": ttfet[int(0.95 * (len(ttfet) - 1))] if len(ttfet) >= 100 else None,
@@ -482,10 +507,10 @@ def grid_cell(engine: Engine, workload: GridWorkload, factor: float, capacity: f
         "pick_right": bool(measured and alternative and measured <= (1 + PICK_TOLERANCE) * alternative),
     }
     split, joined = twin["Disaggregated"], twin["Aggregated"]
-    say(f"plan_check grid {workload.name}/{engine.name} {factor:.1f}x ({rate:.3g}/s): picks {shapes.shape.value}; "
-        f"P/D {split['prefillers']}+{split['decoders']} p95 TTFET {_s(split['twin_p95_ttfet_s'])} (predicted "
-        f"{split['predicted_p95_ttfet_s']:.3g}), aggregated {joined['decoders']} {_s(joined['twin_p95_ttfet_s'])} "
-        f"(predicted {joined['predicted_p95_ttfet_s']:.3g})")  # fmt: skip
+    say(f"plan_check grid {workload.name}/{engine.name} {factor:.1f}x ({rate:.3g}/s): picks {shapes.shape.value} "
+        f"on {engines} engines (predicted p95 TTFET {chosen['predicted_p95_ttfet_s']:.3g} s); twin p95 TTFET: P/D "
+        f"{split['prefillers']}+{split['decoders']} {_s(split['twin_p95_ttfet_s'])}, aggregated {joined['decoders']} "
+        f"{_s(joined['twin_p95_ttfet_s'])}")  # fmt: skip
     return cell
 
 

@@ -39,7 +39,7 @@ def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
     }
     # first the two shapes side by side (P/D first), then the chosen one's rows, which overwrite them here
     assert lines == {"prefillers": "3", "decoders": "3", "engines": "6", "bottleneck": "DecoderThroughput"}
-    assert "Shape: Disaggregated: P/D needs fewer engines (6 against 15)" in out
+    assert "Shape: Disaggregated: P/D needs fewer engines (6 against 21)" in out
     assert "P/D (chosen)" in out and "aggregated" in out
     assert "Why:" in out and "R* = T_p / L_in" in out and "alternative (aggregated, not taken)" in out
 

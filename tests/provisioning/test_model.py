@@ -283,7 +283,9 @@ def test_decoders_grow_linearly_in_rate(k: int, headroom: float) -> None:
     plan = raw_plan(document)
     exact = headroom * k * plan.decoders_per_prefiller
     assert plan.prefillers == math.floor(headroom * k * (1 + 1e-12)) + 1
-    assert exact - 1e-6 <= plan.decoders < exact + 1 + 1e-6  # the ceiling forgives float noise
+    # the ceiling (forgiving float noise), and one more where it would leave each decoder busy nearly all its time:
+    # its time per token then exceeds even a loose objective
+    assert exact - 1e-6 <= plan.decoders < exact + 2 + 1e-6
 
 
 @settings(max_examples=50, deadline=None)

@@ -78,13 +78,16 @@ def test_a_prefiller_is_never_planned_at_its_saturation_rate() -> None:
 
 
 def test_the_predicted_ttft_is_the_prefillers_queue_plus_the_prefill() -> None:
-    """M/G/c at the design rate with deterministic prompts (σ = 0): p95 wait + latency(L_in) + a decoder step
-    (the sanity profile's step costs nothing: no constant)."""
+    """M/G/c at the design rate with deterministic prompts (σ = 0): p95 wait + latency(L_in) + a decoder step. The
+    sanity profile's step has no constant: a stream's token costs 1 / T_d, stretched by the decoders' load
+    (1.667/s of 1,000 tokens on 2 decoders: 83 % busy), 6 ms."""
     plan = plan_with("Disaggregated")
     assert plan.shapes is not None
     option = plan.shapes.disaggregated
     wait = mgc_wait(option.prefillers, 25_000 / 15_000, 0.6, 0.0)
-    assert option.ttft_p95_s == pytest.approx(wait.quantile_s(0.95) + 0.6)
+    step = 0.001 / (1 - (25_000 / 15_000) / 2)
+    assert option.tpot_s == pytest.approx(step)
+    assert option.ttft_p95_s == pytest.approx(wait.quantile_s(0.95) + 0.6 + step)
 
 
 def test_ttfet_adds_every_turn_before_the_last() -> None:

@@ -39,12 +39,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coserve.api.spec import PoolShape, SpecModel
+from coserve.api.spec import PoolShape, SpecModel, WorkloadSpec
 from coserve.api.status import ShapeComparison, ShapeOption
-from coserve.provisioning.decoders import DecoderLoad
+from coserve.provisioning.decoders import DecoderLoad, later_turn_context_tokens
 from coserve.provisioning.profile import ResolvedProfile
 from coserve.provisioning.queueing import Wait, mg1_wait, mgc_wait
-from coserve.scheduling.steps import chunked_step_s
+from coserve.scheduling.steps import STEP_TOKENS, chunked_step_s
 
 __all__ = ["Objectives", "ShapePredictions", "compare_shapes", "objectives", "tpot_rate"]
 
@@ -97,9 +97,14 @@ class _Steps:
     per_stream_s: float
 
     @staticmethod
-    def of(profile: ResolvedProfile) -> _Steps:
-        base = profile.cost_model.k5 if profile.cost_model is not None else profile.prefill_latency.constant_s
-        return _Steps(max(base, 0.0), 1.0 / profile.decode_throughput_tokens_per_s)
+    def of(profile: ResolvedProfile, workload: WorkloadSpec) -> _Steps:
+        """With a cost model: k5, and one decode token's own cost at the mean context a stream attends to;
+        without: the prefill curve's constant, and 1 / T_d (T_d measured at a full batch: an upper bound)."""
+        model = profile.cost_model
+        if model is None:
+            return _Steps(max(profile.prefill_latency.constant_s, 0.0), 1.0 / profile.decode_throughput_tokens_per_s)
+        context = later_turn_context_tokens(workload)
+        return _Steps(max(model.k5, 0.0), max(model.latency_s(1, context) - model.k5, 0.0))
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,6 @@ class _Engine:
 
     tpot_s: float
     lane: Wait
-    share: float  # the engine's time decoding leaves to prefill
 
     @property
     def saturated(self) -> bool:
@@ -117,27 +121,35 @@ class _Engine:
 
 @dataclass(frozen=True)
 class _Work:
-    """One conversation's work on the engine that decodes it, in compute seconds."""
+    """One conversation's work on the engine that decodes it: compute seconds, and the prompt tokens behind them."""
 
-    decode_s: float  # L_d / T_d
     turn1_s: float  # turn 1's prefill when the engine does it (aggregated), else 0
+    turn1_tokens: float  # its prompt tokens (0 when it does not)
     turn1_scv: float  # its squared coefficient of variation (the spread of prompt lengths)
     later_s: float  # one later turn's prefill
+    later_tokens: float  # ... its tokens
     later_turns: float  # n - 1
     output_tokens: float  # L_d
 
+    def wall_s(self, tokens: float, compute_s: float, tpot_s: float) -> float:
+        """A prefill's time in an engine's steps: the steps it rides (STEP_TOKENS a step, ``tpot_s`` each: they
+        also decode) plus its own compute. Fractional for a prompt shorter than a step: others share it."""
+        return tokens / STEP_TOKENS * tpot_s + compute_s
+
     def engine(self, rate: float, steps: _Steps) -> _Engine:
-        decode_share = rate * self.decode_s
         prefill_share = rate * (self.turn1_s + self.later_turns * self.later_s)
         free = 1.0 - prefill_share - rate * self.output_tokens * steps.per_stream_s
-        tpot = steps.constant_s / free if free > 0 and decode_share + prefill_share < 1.0 else math.inf
-        share = 1.0 - decode_share
+        if free <= 0:
+            return _Engine(math.inf, Wait(1.0, math.inf))
+        tpot = (steps.constant_s + steps.per_stream_s) / free  # a step holds at least the stream itself
         jobs = (1.0 if self.turn1_s > 0 else 0.0) + self.later_turns
-        if jobs <= 0 or share <= 0:
-            return _Engine(tpot, Wait(0.0, 0.0) if share > 0 else Wait(1.0, math.inf), max(share, 0.0))
-        mean = (self.turn1_s + self.later_turns * self.later_s) / jobs / share
-        second = (self.turn1_s**2 * (1.0 + self.turn1_scv) + self.later_turns * self.later_s**2) / jobs / share**2
-        return _Engine(tpot, mg1_wait(rate * jobs, mean, second), share)
+        if jobs <= 0:
+            return _Engine(tpot, Wait(0.0, 0.0))
+        first = self.wall_s(self.turn1_tokens, self.turn1_s, tpot) if self.turn1_s > 0 else 0.0
+        later = self.wall_s(self.later_tokens, self.later_s, tpot)
+        mean = (first + self.later_turns * later) / jobs
+        second = (first**2 * (1.0 + self.turn1_scv) + self.later_turns * later**2) / jobs
+        return _Engine(tpot, mg1_wait(rate * jobs, mean, second))
 
 
 @dataclass(frozen=True)
@@ -175,13 +187,15 @@ class _Shape:
 
     def work(self, aggregated: bool) -> _Work:
         later = self.later_turns
+        workload = self.spec.workload
         return _Work(
-            decode_s=self.load.decode_s,
             turn1_s=self.turn1_s if aggregated else 0.0,
+            turn1_tokens=float(workload.input_tokens) if aggregated else 0.0,
             turn1_scv=self.prefill_scv,
             later_s=self.load.prefill_s / later if later > 0 else 0.0,
+            later_tokens=self.load.prefill_tokens / later if later > 0 else 0.0,
             later_turns=later,
-            output_tokens=float(self.spec.workload.output_tokens),
+            output_tokens=float(workload.output_tokens),
         )
 
     def ttfet(self, ttft_p95: float, later_mean: float, tpot: float) -> float:
@@ -198,12 +212,13 @@ class _Shape:
         work = self.work(aggregated)
         per_engine = self.rate / engines
         engine = work.engine(per_engine, self.steps)
-        later_prefill = work.later_s / engine.share if engine.share > 0 else math.inf
-        later_mean = engine.lane.mean_s + later_prefill + engine.tpot_s
-        later_p95 = engine.lane.quantile_s(Q95) + later_prefill + engine.tpot_s if work.later_turns > 0 else 0.0
+        later_prefill = math.ceil(work.later_tokens / STEP_TOKENS) * engine.tpot_s + work.later_s
+        later_mean = engine.lane.mean_s + later_prefill
+        later_p95 = engine.lane.quantile_s(Q95) + later_prefill if work.later_turns > 0 else 0.0
         if aggregated:
-            ttft = engine.lane.quantile_s(Q95) + (self.turn1_hi_s / engine.share if engine.share > 0 else math.inf)
-            ttft += engine.tpot_s
+            long_prompt = self.spec.workload.input_tokens + Z95 * self.spec.workload.input_tokens_std_dev
+            ttft = engine.lane.quantile_s(Q95) + math.ceil(long_prompt / STEP_TOKENS) * engine.tpot_s
+            ttft += self.turn1_hi_s
         else:
             ttft = 0.0
         saturated = ""
@@ -281,7 +296,7 @@ def _shape(spec: SpecModel, profile: ResolvedProfile, load: DecoderLoad) -> _Sha
     return _Shape(
         rate=spec.headroom * workload.arrival_rate_per_s,
         goals=objectives(spec),
-        steps=_Steps.of(profile),
+        steps=_Steps.of(profile, workload),
         load=load,
         profile=profile,
         spec=spec,
@@ -386,12 +401,18 @@ def _unreachable(shape: _Shape, aggregated: bool) -> set[str]:
     """The objectives no count of engines meets: those missed even with no queue and no load."""
     goals, steps, workload = shape.goals, shape.steps, shape.spec.workload
     unmet: set[str] = set()
-    later = shape.work(aggregated).later_s + steps.constant_s if shape.later_turns > 0 else 0.0
-    first = (shape.turn1_hi_s if aggregated else shape.prefill_hi_s) + steps.constant_s
+    idle_step = steps.constant_s + steps.per_stream_s
+    work = shape.work(aggregated)
+    later = math.ceil(work.later_tokens / STEP_TOKENS) * idle_step + work.later_s if shape.later_turns > 0 else 0.0
+    if aggregated:
+        long_prompt = workload.input_tokens + Z95 * workload.input_tokens_std_dev
+        first = math.ceil(long_prompt / STEP_TOKENS) * idle_step + shape.turn1_hi_s
+    else:
+        first = shape.prefill_hi_s + idle_step
     if max(first, later) > goals.ttft_s:
         unmet.add("TTFT")
     chunk = workload.input_tokens if aggregated else shape._later_chunk()
-    if steps.constant_s > goals.tpot_s or (chunk > 0 and chunked_step_s(shape._curve(), chunk, 0.0) > goals.tpot_s):
+    if idle_step > goals.tpot_s or (chunk > 0 and chunked_step_s(shape._curve(), chunk, 0.0) > goals.tpot_s):
         unmet.add("TPOT")
     return unmet
 
