@@ -1134,12 +1134,13 @@ def test_an_upgrade_re_plans_a_recorded_pool_once() -> None:
 def test_an_upgrade_keeps_a_running_pool_s_shape_and_an_edited_spec_takes_the_plans() -> None:
     """``examples/pool.yaml`` as the server stored it (planned P/D before shapes existed). Its spec defaults to
     Auto. Where this version's model would take aggregated engines for the same generation of the spec (here:
-    the spec's objectives made loose without a new generation, as a model change would), the upgrade keeps P/D
-    and says so; once its owner edits the spec (a new generation), the plan takes aggregated engines: the
-    prefillers go to 0 and the router stops looking for them."""
+    the spec's objectives made loose and its conversations' KV held for a minute, without a new generation, as a
+    model change would), the upgrade keeps P/D and says so; once its owner edits the spec (a new generation),
+    the plan takes aggregated engines: the prefillers go to 0 and the router stops looking for them."""
     body = recorded_pool_body("llm", "agents")
     body["spec"]["priorityClasses"] = [{"name": "standard", "weight": 1.0, "ttftSloMs": 3_600_000,
                                         "tpotSloMs": 60_000}]  # fmt: skip
+    body["spec"]["workload"]["lifetimeS"] = 60  # KV memory sets the count: a prefiller is one engine more
     observed = observed_for("llm", "agents", "kubectl-lists")
     kept = decide(body, observed)
     shapes = kept.status["plan"]["shapes"]

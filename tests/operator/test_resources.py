@@ -1243,6 +1243,27 @@ def test_engine_budgets_follow_the_plan(update: dict[str, Any], prefillers_min: 
     assert found["decoder"] == {"minAvailable": decoders_min}
 
 
+def test_an_aggregated_pool_keeps_no_budget_and_no_handoff_for_its_empty_prefiller_role() -> None:
+    """Aggregated engines: the prefiller Deployment at 0 replicas has no PodDisruptionBudget (minAvailable 1 of 0
+    would block nothing and mislead), and every engine is rendered kv_both without NIXL: it hands nothing over."""
+    pool = parse_pool(make_pool(shape="Aggregated"))
+    plan = plan_for(pool.spec)
+    assert plan.aggregated and plan.prefillers == 0
+    children = build_children(pool, plan)
+    found = budgets(children)
+    assert "prefiller" not in found and "decoder" in found
+    split = parse_pool(make_pool(shape="Disaggregated"))
+    split_children = build_children(split, plan_for(split.spec))
+    assert "prefiller" in budgets(split_children)
+    assert "NixlConnector" in json.dumps([c for c in split_children if c["kind"] == "Deployment"])  # GPU engines
+    for child in children:
+        if child["kind"] == "Deployment" and child["metadata"]["name"].endswith(("-prefiller", "-decoder")):
+            args = child["spec"]["template"]["spec"]["containers"][0]["args"]
+            transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+            assert transfer["kv_role"] == "kv_both"
+            assert "NixlConnector" not in json.dumps(transfer)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     rate=st.floats(min_value=0.01, max_value=50),
