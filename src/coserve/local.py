@@ -105,6 +105,7 @@ def run_local_pool(
         (config_dir / file_name).write_text(text)
     config = engine_config(spec)
     host_bytes = spec.kv_offload.host_memory_bytes if spec.kv_offload.enabled else DEFAULT_HOST_POOL_BYTES
+    host_bytes = _host_pool_here(host_bytes, decoders)
     common: dict[str, Any] = {"handoff_backend": Handoff.SHM.value, "handoff_path": str(handoff)}
     roles = [("prefiller", i, {**common}) for i in range(prefillers)]
     roles += [("decoder", i, {**common, "host_memory_bytes": host_bytes}) for i in range(decoders)]
@@ -137,6 +138,21 @@ def run_local_pool(
             _say("shutting the engines down")
             stack.close()
             shutil.rmtree(handoff, ignore_errors=True)
+
+
+def _host_pool_here(wanted: int, decoders: int) -> int:
+    """Each local decoder's host KV pool: the manifest's, but at most a quarter of this machine's free memory shared
+    among the decoders (a pool sized for a GPU node's host would not start here), said when it is cut."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # not Linux: keep the manifest's
+        return wanted
+    budget = free // (4 * max(decoders, 1))
+    if wanted <= budget:
+        return wanted
+    _say(f"the manifest's host KV pool is {wanted / 2**30:.3g} GiB per decoder; on this machine each gets "
+         f"{budget / 2**30:.3g} GiB (a quarter of the free memory, shared)")  # fmt: skip
+    return int(budget)
 
 
 def _cpu_rendering(pool: CoServePool, plan: Plan) -> list[dict[str, Any]]:
