@@ -269,23 +269,23 @@ async def test_the_operator_scales_on_a_load_step_holds_then_scales_down_and_hol
         assert signals.get("decoderKvUsage") == pytest.approx(0.3) and signals.get("prefillerQueue") == 0, signals
         assert (signals.get("prefillerRequests"), signals.get("decoderRequests")) == (0, 3), signals  # the rule's
 
-        exporter.rate = 6.0  # the load step (the model runs at 1.2 x 6 = 7.2/s)
+        exporter.rate = 8.1  # the load step (the model runs at 1.2 x 8.1 = 9.72/s, mid-way in 9.0-10.5/s: 4P+6D)
         step = time.monotonic()
 
         def scaled_up() -> bool:
-            # the model at 7.2/s wants 3 prefillers and 5 decoders. The measured rate climbs through the 5 s
-            # rate window, so an evaluation on the way up may already have given 4 decoders (what 5.5-6.6/s
-            # wants); 4 may then cover it within the 10 % up-tolerance, and the policy holds them (and says so),
+            # the model at 9.72/s wants 4 prefillers and 6 decoders. The measured rate climbs through the 5 s
+            # rate window, so an evaluation on the way up may already have given 5 decoders (what 7.2-8.7/s
+            # wants); 5 may then cover it within the 10 % up-tolerance, and the policy holds them (and says so),
             # but only a hold at the full measured rate is the plateau
             now = watch()
             autoscaling = kmock.objects[POOLS, NS, "chat"]["status"].get("autoscaling", {})
             reason = autoscaling.get("reason", "")
             measured = (autoscaling.get("signals") or {}).get("arrivalRatePerS") or 0.0
-            tolerated = "decoders held at 4: 5 recommended is within 10% of the need" in reason and measured >= 5.9
-            return now == (3, 5) or (now == (3, 4) and tolerated)
+            tolerated = "decoders held at 5: 6 recommended is within 10% of the need" in reason and measured >= 7.95
+            return now == (4, 6) or (now == (4, 5) and tolerated)
 
         try:
-            await eventually(scaled_up, "scale-up to the model's 3 prefillers and 5 decoders (or 4, tolerated)", 20)
+            await eventually(scaled_up, "scale-up to the model's 4 prefillers and 6 decoders (or 5, tolerated)", 20)
         except AssertionError as error:  # say where the replicas went, for a run that only fails now and then
             raise AssertionError(f"{error}; replicas seen (prefillers, decoders): {seen}") from None
         up_after_s = time.monotonic() - step
