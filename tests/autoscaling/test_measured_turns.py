@@ -13,7 +13,9 @@ from coserve.provisioning import plan_for
 from pool_builders import sample_pool
 
 SPEC: SpecModel = parse_pool(sample_pool()).spec
-LIMITS = Thresholds(max_replicas=Replicas(64, 256), rate_headroom=1.0)
+# the model at the spec's design rate (the autoscaler plans at the measured rate times its own margin, in place
+# of the spec's headroom), to compare with plan_for
+LIMITS = Thresholds(max_replicas=Replicas(64, 256), rate_headroom=SPEC.headroom)
 
 
 def planned(rate: float, **workload: float) -> Replicas:

@@ -22,7 +22,9 @@ LIMITS = Thresholds(
     max_replicas=Replicas(8, 32),
     stabilization_window_s=300.0,
     kv_usage_high=0.85,
-    rate_headroom=1.0,  # the model at exactly the measured rate, to compare with plan_for
+    # the model at the spec's design rate (the autoscaler plans at the measured rate times its own margin, in
+    # place of the spec's headroom), to compare with plan_for
+    rate_headroom=SPEC.headroom,
 )
 
 
@@ -52,9 +54,10 @@ def test_the_proactive_rule_is_the_provisioning_model_at_the_measured_workload(r
 
 
 def test_rate_headroom_plans_for_more_than_the_measured_rate() -> None:
-    limits = Thresholds(rate_headroom=1.5)
+    # the autoscaler's margin stands in for the spec's headroom: 1.5 x 1.5 = 2.25 at 8/s is the plan at 12/s
+    limits = Thresholds(rate_headroom=1.5 * SPEC.headroom)
     decision = decide(SPEC, Signals(arrival_rate_per_s=8.0), Replicas(1, 1), 0.0, thresholds=limits)
-    assert decision.recommended == planned(12.0) and "x1.5 headroom" in decision.reason
+    assert decision.recommended == planned(12.0) and "x2.25 headroom" in decision.reason
 
 
 @pytest.mark.parametrize(("decoders", "after"), [(18, 18), (20, 17)])
@@ -167,7 +170,7 @@ def test_replicas_are_always_within_bounds(
     assert 1 <= decision.replicas.prefillers <= 8 and 1 <= decision.replicas.decoders <= 32
 
 
-@settings(max_examples=50)
+@settings(max_examples=50, deadline=None)  # up to 120 evaluations, each planning twice
 @given(boundary=st.floats(1.0, 100.0), wobble=st.floats(0.001, 0.2), evaluations=st.integers(10, 120))
 def test_load_hovering_at_a_boundary_changes_direction_at_most_once(
     boundary: float, wobble: float, evaluations: int
@@ -259,4 +262,19 @@ def test_an_aggregated_pool_scales_its_engines_and_never_adds_prefillers() -> No
     assert decision.replicas.prefillers == 0 and decision.recommended.prefillers == 0
     assert decision.replicas.decoders > 2
     assert decision.replicas.decoders == plan_for(spec.model_copy(update={"workload": spec.workload.model_copy(
-        update={"arrival_rate_per_s": 8.0 * LIMITS.rate_headroom})})).decoders  # fmt: skip
+        update={"arrival_rate_per_s": 8.0})})).decoders  # fmt: skip
+
+
+def test_the_spec_s_headroom_does_not_stack_on_the_autoscaler_s_margin() -> None:
+    """The spec's headroom is the static plan's margin over a guessed rate; a measured rate gets the
+    autoscaler's ``rate_headroom`` alone (both at once sized a pool for 1.8x what it measured)."""
+    generous = SPEC.model_copy(update={"headroom": 3.0})
+    signals = Signals(arrival_rate_per_s=6.0)
+    assert (
+        run(signals, Replicas(1, 1)).recommended
+        == decide(generous, signals, Replicas(1, 1), 1000.0, thresholds=LIMITS).recommended
+        == planned(6.0)
+    )
+    assert planned(6.0) != Replicas(plan_for(generous.model_copy(update={"workload": generous.workload.model_copy(
+        update={"arrival_rate_per_s": 6.0})})).prefillers, plan_for(generous.model_copy(update={
+            "workload": generous.workload.model_copy(update={"arrival_rate_per_s": 6.0})})).decoders)  # fmt: skip

@@ -25,7 +25,8 @@ from pool_builders import sample_pool
 
 POOL = sample_pool()  # L_in 2000, L_d 500, W 60 s; R* = 4.76/s per prefiller
 SPEC = parse_pool(POOL).spec
-LIMITS = Thresholds(max_replicas=Replicas(64, 256), rate_headroom=1.0, stabilization_window_s=300.0)
+# the model at the spec's design rate (the autoscaler's margin stands in for the spec's headroom), as plan_for
+LIMITS = Thresholds(max_replicas=Replicas(64, 256), rate_headroom=SPEC.headroom, stabilization_window_s=300.0)
 
 
 def planned(rate: float) -> Replicas:
@@ -72,7 +73,7 @@ def test_the_rule_s_extra_replicas_are_not_added_for_a_backlog_that_clears_befor
     assert "the queue-length rule (10 running + waiting, target 2 each): 5 prefillers, not added: " in decision.reason
     assert "before a new one serves (60s)" in decision.reason
     # the same backlog with a start-up of a second is worth a replica: the rule's 5, capped at what clears it
-    quick = decide(SPEC, signals, base, 1000.0, thresholds=Thresholds(rate_headroom=1.0, startup_s=1.0))
+    quick = decide(SPEC, signals, base, 1000.0, thresholds=Thresholds(rate_headroom=SPEC.headroom, startup_s=1.0))
     assert quick.replicas.prefillers > base.prefillers
 
 
@@ -103,7 +104,8 @@ def test_a_rising_rate_is_planned_for_when_a_new_replica_will_serve() -> None:
     # 4.0/s 15 s ago, 4.5/s now: rising 1/30 per second; over the rate's 60 s lag and a 60 s start-up, 8.5/s
     rising = decide(SPEC, Signals(arrival_rate_per_s=4.5), Replicas(1, 1), 1000.0, thresholds=LIMITS,
                     last_arrival=(985.0, 4.0))  # fmt: skip
-    assert rising.recommended == planned(8.5) != planned(4.5)
+    # the forecast is the design rate itself, no margin on top (``planned`` is at the spec's headroom)
+    assert rising.recommended == planned(8.5 / SPEC.headroom) != planned(4.5)
     assert "rising to 8.5/s" in rising.reason
     assert rising.arrival == (1000.0, 4.5)
     falling = decide(SPEC, Signals(arrival_rate_per_s=4.5), Replicas(1, 1), 1000.0, thresholds=LIMITS,

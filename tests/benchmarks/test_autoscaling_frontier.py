@@ -148,3 +148,34 @@ def test_each_step_of_coserve_is_put_down_to_what_its_decision_names(world: Modu
         "prefillers": {"model re-plan": 1, "measured T_p": 1, "prefiller queue guard": 1, "stabilization window": 1},
         "decoders": {"model re-plan": 1, "KV guard": 1},
     }
+
+
+def _setting(decoder: float, prefiller: float, hours: float, minutes: float) -> dict[str, Any]:
+    return {"decoder_target": decoder, "prefiller_target": prefiller, "replica_hours": hours,
+            "slo_violation_minutes": minutes}  # fmt: skip
+
+
+def test_a_setting_dominates_coserve_with_no_more_of_either_count(world: ModuleType) -> None:
+    ours = {"replica_hours": 2.0, "slo_violation_minutes": 1}
+    sweep = [
+        _setting(16, 1, 2.0, 1),  # equal on both: at least as good
+        _setting(16, 2, 1.9, 0),  # better on both
+        _setting(32, 1, 1.5, 2),  # cheaper, more minutes: not
+        _setting(32, 2, 2.1, 0),  # fewer minutes, dearer: not
+    ]
+    assert world.dominated_by(ours, sweep) == [(16, 1), (16, 2)]
+    assert world.dominated_by({"replica_hours": 1.0, "slo_violation_minutes": 0}, sweep) == []
+
+
+def test_only_a_setting_that_dominates_on_every_trace_counts_everywhere(world: ModuleType) -> None:
+    """An operator deploys one setting: the one that matches coserve on one trace must match it on the other."""
+    first = {
+        "coserve": {"replica_hours": 2.0, "slo_violation_minutes": 0},
+        "baseline_sweep": [_setting(16, 1, 1.9, 0), _setting(32, 1, 1.8, 0), _setting(64, 1, 3.0, 0)],
+    }
+    second = {
+        "coserve": {"replica_hours": 1.0, "slo_violation_minutes": 0},
+        "baseline_sweep": [_setting(16, 1, 1.2, 0), _setting(32, 1, 0.9, 0), _setting(64, 1, 0.8, 0)],
+    }
+    assert world.dominant_everywhere([first, second]) == [(32, 1)]
+    assert world.dominant_everywhere([first]) == [(16, 1), (32, 1)]

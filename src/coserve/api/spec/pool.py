@@ -79,8 +79,9 @@ class SpecModel(ApiModel):
         default=1.5,
         ge=1,
         le=10,
-        description="headroom over-provisions decoders beyond the provisioning model's minimum, so the "
-        "prefillers, whose load is observable, saturate first.",
+        description="headroom sets the design rate, headroom · workload.arrivalRatePerS, at which the plan sizes "
+        "both shapes to meet the priority classes' objectives. The autoscaler, which measures the rate, plans "
+        "with its own margin over the measurement instead.",
     )
     priority_classes: list[PriorityClassSpec] = Field(
         default_factory=lambda: [c.model_copy() for c in DEFAULT_PRIORITY_CLASSES],
