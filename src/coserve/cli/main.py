@@ -338,7 +338,9 @@ def _cmd_router(args: argparse.Namespace) -> int:
     # collection every couple of requests, and full collections showed up in the p99 latency.
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    # the router reads no client address (no X-Forwarded-For to parse) and names no server in its answers
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                proxy_headers=False, server_header=False)  # fmt: skip
     return EXIT_OK
 
 

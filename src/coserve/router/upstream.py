@@ -82,10 +82,14 @@ class Upstream:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
+            # NOTE: answers are relayed as the engines send them: identity encoding asked for (nothing to
+            # decompress, no encoding to strip before the client), and no User-Agent to build per request
             self._session = aiohttp.ClientSession(
-                headers=self._upstream_headers,
+                headers={**self._upstream_headers, "accept-encoding": "identity"},
                 timeout=aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=5.0),
                 connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=60),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
             )
         return self._session
 
