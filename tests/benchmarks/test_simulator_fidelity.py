@@ -8,6 +8,7 @@ and the engine rung's twin replaying a hand-made run on one simulated engine.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -163,3 +164,25 @@ def test_a_load_of_several_runs_is_judged_against_their_mean_and_spread(fidelity
     new = {"measured_again": [{"ttft_p95_s": 1.5}, {"ttft_p95_s": 1.2}],
            "step_time_bias": {"served_fit_again": [0.1, 0.2]}}  # fmt: skip
     assert len(fidelity.again_of(new)) == 2 and fidelity.biases_again(new) == [0.1, 0.2]
+
+
+def test_the_pairs_outside_the_engines_own_spread_are_listed_with_which_way_the_twin_is_off(
+    fidelity: ModuleType,
+) -> None:
+    """A pair 20 % off where the engine's runs spread 30 % is within what a twin can show; 20 % off where they
+    spread 5 % is not, and is listed (the twin lower, its step time 15 % short on that load)."""
+
+    def pair(figure: str, measured: float, simulated: float, spread: float | None) -> dict[str, Any]:
+        made = fidelity.compare("engine", "1x capacity", figure, measured, simulated, fidelity.ENGINE_TOLERANCE)
+        error = made["relative_error"]
+        made["engine_spread"] = spread
+        made["within_engine_spread"] = error <= max(made["tolerance"], spread or 0.0)
+        return made
+
+    noisy = pair("ttft_p95_s", 1.0, 0.8, 0.30)
+    steady = pair("output_tokens_per_s", 100.0, 80.0, 0.05)
+    arms = [{"arm": "1x capacity", "step_time_bias": {"served_fit": -0.15, "served_fit_again": [-0.1]}}]
+    outside = fidelity.outside_spread([noisy, steady], arms)
+    assert [(o["figure"], o["twin"]) for o in outside] == [("output_tokens_per_s", "lower")]
+    assert outside[0]["served_fit_step_bias"] == [-0.15, -0.1]
+    assert fidelity.outside_spread([noisy], arms) == []
