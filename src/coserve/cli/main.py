@@ -711,8 +711,8 @@ def _shape_table(shapes: ShapeComparison) -> list[str]:
     options = [("P/D", shapes.disaggregated, PoolShape.DISAGGREGATED),
                ("aggregated", shapes.aggregated, PoolShape.AGGREGATED)]  # fmt: skip
 
-    def seconds(value: float) -> str:
-        return "unbounded" if value >= 1e12 else f"{value:.3g} s"
+    from coserve.provisioning.shape import rate_text
+    from coserve.provisioning.shape import seconds_text as seconds
 
     rows = [
         ("", [f"{name}{' (chosen)' if shape is shapes.shape else ''}" for name, _, shape in options]),
@@ -723,13 +723,7 @@ def _shape_table(shapes: ShapeComparison) -> list[str]:
         ("p95 TTFET", [seconds(option.ttfet_p95_s) for _, option, _ in options]),
         ("mean TPOT", [seconds(option.tpot_s) for _, option, _ in options]),
         ("count set by", [option.limit for _, option, _ in options]),
-        (
-            "saturates at",
-            [
-                "unbounded" if o.saturation_rate_per_s >= 1e12 else f"{o.saturation_rate_per_s:.4g}/s"
-                for _, o, _ in options
-            ],
-        ),
+        ("saturates at", [rate_text(option.saturation_rate_per_s) for _, option, _ in options]),
         ("cannot meet", [", ".join(option.unmet) or "-" for _, option, _ in options]),
     ]
     width = max(len(name) for name, _ in rows)

@@ -41,7 +41,7 @@ from coserve.api.spec import PoolShape, SpecModel, WorkloadSpec
 from coserve.api.status import Bottleneck, Plan, PlanUtilization, ShapeComparison, ShapeOption
 from coserve.provisioning.decoders import DecoderLoad, decoder_loads, later_turn_context_tokens
 from coserve.provisioning.profile import ResolvedProfile
-from coserve.provisioning.shape import compare_shapes
+from coserve.provisioning.shape import compare_shapes, seconds_text
 
 __all__ = ["MAX_REPLICAS_PER_ROLE", "Capacities", "make_plan"]
 
@@ -364,8 +364,8 @@ def _rate(value: float) -> str:
 
 
 def _s(seconds: float) -> str:
-    return "unbounded" if seconds >= 1e12 else f"{seconds:.3g} s"
+    return seconds_text(seconds)
 
 
 def _ms(seconds: float) -> str:
-    return "unbounded" if seconds >= 1e12 else f"{seconds * 1000:.4g} ms"
+    return seconds_text(seconds, "ms")

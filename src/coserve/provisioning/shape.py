@@ -466,11 +466,23 @@ def _why(chosen: PoolShape, split: ShapeOption, aggregated: ShapeOption) -> str:
     return f"both need {win.engines} engines with the same p95 TTFET (P/D kept on a tie)"
 
 
-_LARGE = 1e12  # a figure no limit bounds, as a number status can hold (JSON has no infinity)
+UNBOUNDED = 1e12  # a figure no limit bounds, as a number status can hold (JSON has no infinity)
+
+
+def seconds_text(seconds: float, unit: str = "s") -> str:
+    """A predicted time as the plan's text and ``coserve plan`` print it: "unbounded" at ``UNBOUNDED``."""
+    if seconds >= UNBOUNDED:
+        return "unbounded"
+    return f"{seconds * 1000:.4g} ms" if unit == "ms" else f"{seconds:.3g} s"
+
+
+def rate_text(per_s: float) -> str:
+    """A saturation rate as printed: "unbounded" at ``UNBOUNDED``."""
+    return "unbounded" if per_s >= UNBOUNDED else f"{per_s:.4g}/s"
 
 
 def _finite(value: float) -> float:
-    return _LARGE if math.isnan(value) else min(value, _LARGE)
+    return UNBOUNDED if math.isnan(value) else min(value, UNBOUNDED)
 
 
 def _rate(value: float) -> str:
