@@ -214,12 +214,16 @@ async def first_token_at(
     error and when no token came.
     """
     first = 0.0
+    error = b""
     async with session.post(f"{base}/v1/completions", json={**body, "stream": True}, headers=headers) as response:
         if response.status != 200:
             raise TurnFailed(f"HTTP {response.status}: {(await response.text())[:200]}")
         async for line in response.content:
             if not first and line.startswith(b"data: ") and b'"text"' in line:
                 first = time.perf_counter()
+            elif line.startswith(b"data: ") and b'"error"' in line:  # the router's event for a failure mid-answer
+                error = line[6:].strip()
     if not first:
-        raise TurnFailed("the stream ended without a token")
+        said = f": {error.decode(errors='replace')[:300]}" if error else ""
+        raise TurnFailed(f"the stream ended without a token{said}")
     return first
