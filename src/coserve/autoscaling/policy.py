@@ -195,19 +195,22 @@ def _proactive(
     if measured_rate <= 0:
         return thresholds.min_replicas, "no conversations arriving: each role's minimum", None, {}
     rate = measured_rate * thresholds.rate_headroom
+
     # NOTE: the spec's headroom is the static plan's margin over a rate it could only guess; here the rate is
     # measured, and ``rate_headroom`` over it (or over its forecast) is the margin. Both at once sized for 1.8x
     # the measured rate, which the plan's queueing model (it prices waiting at its design rate) does not need.
-    spec = spec.model_copy(update={"headroom": 1.0})
+    def planned(workload: WorkloadSpec) -> Plan:
+        return plan_for(spec.model_copy(update={"headroom": 1.0, "workload": workload}), profile)
+
     measured = _measured_workload(spec, signals, rate)
-    plan = plan_for(spec.model_copy(update={"workload": measured}), profile)
+    plan = planned(measured)
     # NOTE: the forecast is planned for as it is, with no margin on top: a 2 m rate's noise makes a forecast at
     # many evaluations, and a margin on each held replicas for whole stabilization windows (measured in the
     # autoscaling benchmark: 1.55 and 1.23 replica-hours against 1.45 and 1.10)
     rising = forecast > rate
     if rising:  # named, and planned for, only where the forecast changes the count (a status write otherwise)
         ahead = _measured_workload(spec, signals, forecast)
-        planned_ahead = plan_for(spec.model_copy(update={"workload": ahead}), profile)
+        planned_ahead = planned(ahead)
         rising = (planned_ahead.prefillers, planned_ahead.decoders) != (plan.prefillers, plan.decoders)
         if rising:
             rate, measured, plan = forecast, ahead, planned_ahead
