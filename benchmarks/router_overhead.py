@@ -678,9 +678,7 @@ def gateway_comparison(
         # Envoy's part of the exchange alone against vllm-router's best: over the target, no picker meets it
         "envoy_cpu_ratio": envoy_share,
         "cpu_target_within_reach": envoy_share is not None and envoy_share <= cpu_target,
-        "cpu_per_request_ratio_ci95": intervals(arms[arm], arms[key["cpu"]], direct).get(
-            "cpu_per_request_ratio_ci95"
-        ),
+        "cpu_per_request_ratio_ci95": intervals(arms[arm], arms[key["cpu"]], direct).get("cpu_per_request_ratio_ci95"),
         "cpu_target": cpu_target,
         "cpu_met": cpu is not None and cpu <= cpu_target,
         "added_p99_ratio": p99,
@@ -688,9 +686,7 @@ def gateway_comparison(
         "added_p99_target": GATEWAY_P99_RATIO,
         "added_p99_met": p99 is not None and p99 <= GATEWAY_P99_RATIO,
         "cpu_over_coserve_router": over_router,
-        "cpu_over_coserve_router_ci95": intervals(arms[arm], arms[COSERVE], direct).get(
-            "cpu_per_request_ratio_ci95"
-        ),
+        "cpu_over_coserve_router_ci95": intervals(arms[arm], arms[COSERVE], direct).get("cpu_per_request_ratio_ci95"),
         "best": {"cpu": list(key["cpu"]), "added_p99": list(key["p99"])},
     }
     if streaming:

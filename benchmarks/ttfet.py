@@ -168,9 +168,7 @@ async def run_arm(base: str, args: argparse.Namespace, arm: str, rate: float, se
     async with aiohttp.ClientSession(timeout=timeout) as session:
         first = 100 + 1000 * seed
         return list(
-            await asyncio.gather(
-                *(conversation(session, base, args, first + i, s, arm) for i, s in enumerate(starts))
-            )
+            await asyncio.gather(*(conversation(session, base, args, first + i, s, arm) for i, s in enumerate(starts)))
         )
 
 

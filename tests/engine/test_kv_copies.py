@@ -340,3 +340,19 @@ def test_the_worker_copies_out_reloads_and_hands_off_through_the_copier(handoff_
     stats = consumer.take_stats()
     assert stats is not None and stats["bytes_reloaded"] == 2 * LAYERS * layer_bytes
     consumer.close()
+
+
+def test_a_block_handed_off_again_is_the_newest_and_counted_once(handoff_dir: Path) -> None:
+    """A prefiller writes a shared prefix's blocks again for every turn; the directory's bound must still hold the
+    newest blocks (a decoder is about to read them), however often a block is rewritten."""
+    device = caches(BLOCK_SHAPE_DIM1, seed=7)
+    block_bytes = LAYERS * device[0][:, 0].numel() * 4
+    settings = KVSettings(handoff_backend="shm", handoff_path=str(handoff_dir), handoff_max_bytes=3 * block_bytes)
+    producer = OffloadWorker(settings, capacity=0, rank=0, produce=True)
+    producer.register({f"layers.{i}": c for i, c in enumerate(device)}, BLOCKS, streams=InlineStreams())
+    for turn in range(6):  # the prefix block "aa" in every turn, then the turn's own block
+        producer.begin(StepPlan(saves=[BlockCopy(1, -1, "aa"), BlockCopy(2 + turn % 3, -1, f"t{turn}")]))
+        producer.end()
+    producer.close()  # the handoff files are written on the background thread
+    held = sorted(path.name.split(".")[0] for path in handoff_dir.iterdir())
+    assert held == ["aa", "t4", "t5"]  # the bound's three newest: the prefix just written, the last two turns

@@ -211,3 +211,36 @@ def test_a_step_predicted_within_the_threshold_runs_without_safepoints(
         assert scheduler.num_steps_unchecked == 1
     finally:
         scheduler.shutdown()
+
+
+# --- a KV load that fails ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_the_scheduler_refuses_an_engine_that_fails_a_request_whose_handoff_did_not_load(
+    tiny_model: Path, tmp_path: Path, policy: str
+) -> None:
+    """vLLM's default kv_load_failure_policy ends a request with an error and no token when a block it planned to
+    load is gone (the prefiller's bounded handoff directory dropped it): coserve's engines recompute instead."""
+    from vllm.config import KVTransferConfig
+
+    def with_handoff(vllm_config: VllmConfig) -> None:
+        vllm_config.kv_transfer_config = KVTransferConfig(
+            kv_connector="CoServeConnector",
+            kv_connector_module_path="coserve.engine.connector",
+            kv_role="kv_consumer",
+            engine_id=f"loadfail{policy}{tmp_path.name[-10:]}",
+            kv_load_failure_policy=policy,  # type: ignore[arg-type]
+            kv_connector_extra_config={"handoff_backend": "shm", "handoff_path": str(tmp_path / "handoff")},
+        )
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True  # as VllmConfig sets it for a connector
+
+    if policy == "fail":
+        with pytest.raises(ValueError, match='"kv_load_failure_policy": "recompute"'):
+            make_scheduler(tiny_model, with_handoff)
+        return
+    scheduler = make_scheduler(tiny_model, with_handoff)
+    try:
+        assert scheduler.recompute_kv_load_failures
+    finally:
+        scheduler.shutdown()

@@ -624,6 +624,8 @@ def _without_new_engine_entries(body: dict[str, Any]) -> dict[str, Any]:
     for connector in [transfer, *transfer.get("kv_connector_extra_config", {}).get("connectors", [])]:
         if connector.get("kv_connector") == "CoServeConnector":
             assert connector["kv_connector_extra_config"].pop("safepoint_min_step_s") > 0
+    # and a failed KV load is recomputed, not a failed request (read at the top level only)
+    assert transfer.pop("kv_load_failure_policy") == "recompute"
     container["args"][at] = json.dumps(transfer, sort_keys=True, separators=(",", ":"))
     new_env = (V2_RUNNER_ENV, *NIXL_ENV)
     assert [entry["name"] for entry in container["env"] if entry["name"] in new_env] == list(new_env)

@@ -451,6 +451,7 @@ def test_gpu_engines_hand_kv_over_with_nixl_beside_coserves_connector(role: str,
     assert kv_config(render(make_pool(engine=GPU_ENGINE)), role) == {
         "kv_connector": "MultiConnector",
         "kv_role": kv_role,
+        "kv_load_failure_policy": "recompute",  # read at the top level only
         "kv_connector_extra_config": {
             "connectors": [
                 {
@@ -472,6 +473,7 @@ def test_cpu_engines_get_coserves_connector_alone(role: str, kv_role: str) -> No
     assert kv_config(render(make_pool(engine=CPU_ENGINE)), role) == {
         **COSERVE_CONNECTOR,
         "kv_role": kv_role,
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"coserve_config": "/etc/coserve/engine.json", "safepoint_min_step_s": MIN_STEP_S},
     }
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from coserve.kv.handoff import KV_LOAD_FAILURE_POLICY
 from coserve.scheduling.config import CONFIG_ENV
 
 __all__ = ["EngineServer", "EngineSettings"]
@@ -112,16 +113,19 @@ class EngineServer:
                 "kv_connector_module_path": "coserve.engine.connector",
                 "kv_role": s.kv_role,
                 "engine_id": self.engine_id,
+                "kv_load_failure_policy": KV_LOAD_FAILURE_POLICY,
                 "kv_connector_extra_config": {"safepoints": s.safepoints, **s.kv},
             }
             if s.kv_siblings:
                 # NOTE: MultiConnector gives each child its own engine_id; a child that names one too is refused
                 transfer.pop("engine_id")
+                transfer.pop("kv_load_failure_policy")
                 siblings = [{"kv_role": s.kv_role, **sibling} for sibling in s.kv_siblings]
                 transfer = {
                     "kv_connector": "MultiConnector",
                     "kv_role": s.kv_role,
                     "engine_id": self.engine_id,
+                    "kv_load_failure_policy": KV_LOAD_FAILURE_POLICY,  # vLLM reads it here, not in the children
                     "kv_connector_extra_config": {"connectors": [transfer, *siblings]},
                 }
             args += [

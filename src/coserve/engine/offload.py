@@ -774,8 +774,11 @@ class OffloadWorker:
             payload = payload_of(copy)
             partial.write_bytes(payload)
             os.replace(partial, path)
+            # NOTE: a block written again (a later turn's prompt shares its prefix) is the newest, counted once:
+            # counted twice, the bytes held drifted above the bound for good, and every write then removed every
+            # file, the ones a decoder was about to read among them
+            self._written_bytes += len(payload) - self._written.pop(path, 0)
             self._written[path] = len(payload)
-            self._written_bytes += len(payload)
             self.stats["handoff_files"] += 1
         while self._written and self._written_bytes > self.settings.handoff_max_bytes:
             oldest, size = self._written.popitem(last=False)

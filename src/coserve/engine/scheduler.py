@@ -49,6 +49,7 @@ from vllm.v1.request import RequestStatus
 from coserve.engine.connector import CoServeConnector, find_connector, find_metadata, sibling_transfer_work
 from coserve.engine.in_flight import require_supported_engine
 from coserve.engine.safepoint import PostedStep, SafepointBoard
+from coserve.kv.handoff import KV_LOAD_FAILURE_POLICY
 from coserve.scheduling import InvalidRequestClass, SchedRequest, SlideBatching
 from coserve.scheduling.config import CONFIG_ENV, EngineSchedulingConfig, load_engine_config
 from coserve.scheduling.requests import RequestClass
@@ -100,6 +101,7 @@ class TDGScheduler(Scheduler):
         self.num_steps_unchecked = 0  # steps predicted too short to need a safepoint
         self.num_steps_transferring = 0  # steps run to their end because another connector moves KV in them
         self._coserve_connector = coserve_connector
+        _require_recompute_on_load_failure(coserve_connector, self.recompute_kv_load_failures)
         if coserve_connector is not None:
             for child in getattr(self.connector, "_connectors", None) or ():  # inside vLLM's MultiConnector
                 if isinstance(child, CoServeConnector):
@@ -397,3 +399,16 @@ class TDGScheduler(Scheduler):
         if len(self._request_classes) > len(self.requests):
             for request_id in [r for r in self._request_classes if r not in self.requests]:
                 del self._request_classes[request_id]
+
+
+def _require_recompute_on_load_failure(connector: CoServeConnector | None, recomputes: bool) -> None:
+    """Raise ``ValueError`` when coserve's connector loads KV (host offload, the shm handoff) into an engine that
+    fails a request whose load failed: a handoff block dropped before the decoder read it would end a turn with an
+    error and no token, where recomputing the block costs only time."""
+    if connector is None or recomputes or not (connector.kv_settings.offload or connector.kv_settings.handoff):
+        return
+    raise ValueError(
+        f"--kv-transfer-config: kv_load_failure_policy is 'fail', but coserve's connector loads KV that may be gone "
+        f'by the time it is read (a prefiller\'s handoff block, a host-pool block); set "kv_load_failure_policy": '
+        f'"{KV_LOAD_FAILURE_POLICY}" at the top level, as the operator and coserve up render it'
+    )

@@ -19,7 +19,13 @@ Both transports follow vLLM's P/D protocol (NixlConnector's):
 coserve's shared-memory handoff (``handoff_backend: shm``, engines on one machine) writes a prompt's
 blocks only for a request that asked for a remote decode (``asks_remote_decode``), and a decoder loads
 them only for a request that carries a remote prefill (``has_remote_prefill``), exactly where
-NixlConnector would. Pure: no vLLM, no Kubernetes.
+NixlConnector would.
+
+A load can fail: a handoff block the prefiller's bounded directory dropped before the decoder read it, a NIXL
+transfer that timed out, a host-pool block evicted. Every engine coserve renders or starts sets vLLM's
+``kv_load_failure_policy`` to ``KV_LOAD_FAILURE_POLICY`` (the decoder recomputes what it could not load; vLLM's
+default fails the request), and coserve's scheduler refuses to start with the other. Pure: no vLLM, no
+Kubernetes.
 """
 
 from __future__ import annotations
@@ -30,8 +36,13 @@ from typing import Any
 
 from coserve.kv.transfer_params import HANDOFF_KEY
 
+# vLLM's kv_load_failure_policy (top level of --kv-transfer-config) on every engine: a block that did not load is
+# recomputed, never a failed request (vLLM's default, "fail", ends the request with an error before its first token)
+KV_LOAD_FAILURE_POLICY = "recompute"
+
 __all__ = [
     "ASK_REMOTE_DECODE",
+    "KV_LOAD_FAILURE_POLICY",
     "Handoff",
     "asks_remote_decode",
     "has_remote_prefill",

@@ -61,7 +61,7 @@ from coserve.api.spec import (
 )
 from coserve.api.status import Plan
 from coserve.gaie import HEALTH_PORT, LIVENESS_SERVICE, PICKER_PORT, READINESS_SERVICE
-from coserve.kv.handoff import Handoff, router_sends_transfer_params
+from coserve.kv.handoff import KV_LOAD_FAILURE_POLICY, Handoff, router_sends_transfer_params
 from coserve.scheduling.config import CONFIG_ENV
 from coserve.scheduling.preemption import safepoint_min_step_s
 
@@ -608,7 +608,7 @@ def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
         "kv_connector_extra_config": extra,
     }
     if not uses_gpus(spec, role):
-        return coserve
+        return {**coserve, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICY}
     others: list[dict[str, Any]] = []
     if pool_handoff(spec) is Handoff.NIXL:
         others.append({"kv_connector": "NixlConnector", "kv_role": kv_role})
@@ -625,6 +625,7 @@ def kv_transfer_config(spec: SpecModel, role: EngineRole) -> dict[str, Any]:
     return {
         "kv_connector": "MultiConnector",
         "kv_role": kv_role,
+        "kv_load_failure_policy": KV_LOAD_FAILURE_POLICY,  # vLLM reads it here, not in the children
         "kv_connector_extra_config": {"connectors": [coserve, *others]},
     }
 
