@@ -19,6 +19,11 @@ decoders. Each arm's front runs in a process of its own, and the engines' caches
   prefiller, the two decoders, ``cache_aware`` choosing the decoder), which sends vLLM's P/D transfer
   parameters, the protocol coserve's shm handoff follows, for every turn.
 
+Cores. The engines share this machine's cores as ``coserve up`` shares them (``shared_machine_threads``: three
+engines on two cores run one unbound thread each). With vLLM's default, every engine binds a thread to every
+core, three engines ran a request 7x slower than one alone (a fair share is 1.5x), and a placement that left
+engines idle was rewarded for the cores it freed rather than for its placement.
+
 Loads. Two, measured in one sweep: the load the plan (``coserve plan``'s provisioning model, ``spec.shape:
 Auto``, the example pool's headroom) provisions the three engines for, and 1.5x it. The plan reads the engine
 profile ``coserve profile --quick`` measured (cached beside the model), with every time scaled by how much
@@ -420,6 +425,7 @@ def main() -> int:
     setup = {key: getattr(args, key) for key in ("conversations", "repetitions", "turns", "first", "appended", "gap",
                                                   "layers", "hidden_size", "peer_policies")}  # fmt: skip
     setup["arms"] = [arm.name for arm in arms]
+    setup["engine_threads"] = "shared_machine_threads"
     try:
         store = RunStore("ttfet", setup, fresh=args.fresh)
     except StoreMismatch as error:
@@ -427,7 +433,7 @@ def main() -> int:
         return 2
     if store.runs:
         say(f"resuming: {len(store.runs)} runs kept in {store.path}")
-    with pd_pool(model, workdir, config, PoolShape(prefillers=1, decoders=2)) as pool:
+    with pd_pool(model, workdir, config, PoolShape(prefillers=1, decoders=2, share_cores=True)) as pool:
         if "loads" not in store.facts:
             store.remember(**measure_loads(pool, model, args))
         sweep(pool, workdir, args, store, arms)

@@ -9,6 +9,7 @@ between arms with ``PDPool.clear`` and front it with the coserve router, in this
 from __future__ import annotations
 
 import json
+import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coserve.engine.launch import EngineServer
+from coserve.engine.launch import EngineServer, shared_machine_threads
 from coserve.kv.handoff import Handoff, router_sends_transfer_params
 from coserve.router.app import build_app
 from coserve.router.config import parse_router_config
@@ -73,6 +74,9 @@ class PoolShape:
     options: dict[str, Any] = field(default_factory=lambda: {"max_model_len": 8192, "dev_mode": True})
     # called with (role, index) before each engine starts: per-engine environment, core affinity
     before_start: Callable[[str, int], None] | None = None
+    # each engine gets its share of this machine's cores, as ``coserve up`` gives them (``shared_machine_threads``);
+    # off: every engine binds its threads to every core, as vLLM does by default
+    share_cores: bool = False
 
 
 @contextmanager
@@ -86,7 +90,9 @@ def pd_pool(model: Path, workdir: Path, config: Mapping[str, Any], shape: PoolSh
         stack.callback(handoff.rmdir)
         stack.callback(lambda: [child.unlink() for child in handoff.iterdir()] and None)
         roles = [("prefiller", i) for i in range(shape.prefillers)] + [("decoder", i) for i in range(shape.decoders)]
-        for role, index in roles:
+        cores = sorted(os.sched_getaffinity(0))
+        for started, (role, index) in enumerate(roles):
+            threads = shared_machine_threads(started, len(roles), cores) if shape.share_cores else {}
             kv: dict[str, Any] = {"handoff_backend": "shm", "handoff_path": str(handoff)}
             if role == "decoder" and shape.decoder_host_pool_bytes:
                 kv["host_memory_bytes"] = shape.decoder_host_pool_bytes
@@ -95,7 +101,7 @@ def pd_pool(model: Path, workdir: Path, config: Mapping[str, Any], shape: PoolSh
             say(f"starting {role} {index}")
             settings = coserve_settings(
                 model, workdir / f"{role}-{index}", config, kv=kv,
-                kv_role="kv_producer" if role == "prefiller" else "kv_consumer", **shape.options,
+                kv_role="kv_producer" if role == "prefiller" else "kv_consumer", env=threads, **shape.options,
             )  # fmt: skip
             url = stack.enter_context(EngineServer(settings)).base
             (pool.prefillers if role == "prefiller" else pool.decoders).append(url)

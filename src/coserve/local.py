@@ -42,7 +42,7 @@ from typing import Any
 from coserve.api import parse_pool
 from coserve.api.resource import CoServePool
 from coserve.api.status import Plan
-from coserve.engine.launch import EngineServer, EngineSettings
+from coserve.engine.launch import EngineServer, EngineSettings, shared_machine_threads
 from coserve.engine.rendered import Substitutions, config_files, engine_container, local_launch, without_gpus
 from coserve.kv.handoff import Handoff, router_sends_transfer_params
 from coserve.operator.resources import CONFIG_VOLUME, build_children, engine_config
@@ -112,10 +112,14 @@ def run_local_pool(
     urls: dict[str, list[str]] = {"prefiller": [], "decoder": []}
     with _terminate_as_interrupt(), ExitStack() as stack:
         try:
-            for role, index, kv in roles:
+            cores = sorted(os.sched_getaffinity(0))
+            for started_before, (role, index, kv) in enumerate(roles):
                 started = time.monotonic()
                 _say(f"starting {role} {index + 1} ({model_path.name}); this takes about 30-60 s on CPUs")
-                settings = EngineSettings(model=model_path, workdir=workdir / f"{role}-{index}")
+                settings = EngineSettings(
+                    model=model_path, workdir=workdir / f"{role}-{index}",
+                    env=shared_machine_threads(started_before, len(roles), cores),
+                )  # fmt: skip
                 server = RenderedServer(settings, engine_container(objects, role), config_dir, kv)
                 stack.enter_context(server)
                 urls[role].append(server.base)
@@ -188,6 +192,7 @@ class RenderedServer(EngineServer):
             **self.launch.env,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "VLLM_CPU_CI_ENV": "1",  # eager: an engine starts in 30-60 s instead of compiling for minutes
+            **self.settings.env,  # its share of this machine's cores
         }
 
 
