@@ -8,6 +8,7 @@ pinned. Its pins are dropped only after ``pinDropFailures`` failures in a row wi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from coserve.router.app import Router, build_app
 from coserve.router.config import parse_router_config
 from router_served import MODEL, Served
-from scripted_engine import ScriptedEngine
+from scripted_engine import ScriptedEngine, event
 
 
 @pytest.fixture
@@ -85,3 +86,48 @@ def test_the_failure_threshold_and_window_are_configurable() -> None:
     assert (config.pin_drop_failures, config.pin_drop_window_s) == (1, 5.0)
     default = parse_router_config({"model": MODEL, "decoders": ["http://127.0.0.1:9"]})
     assert (default.pin_drop_failures, default.pin_drop_window_s) == (3, 30.0)
+
+
+# --- a stream that fails before its first token ------------------------------------------------------------------
+
+# what vLLM's OpenAI server streams when a request fails inside the engine after it answered 200 (its
+# create_streaming_error_response: an ErrorResponse, then [DONE]), e.g. a KV load that failed under
+# kv_load_failure_policy 'fail'
+VLLM_INTERNAL_ERROR = event(
+    {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
+)
+DONE = b"data: [DONE]\n\n"
+
+
+def streamed_texts(base: str, conversation: str) -> list[str]:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}
+    with httpx.Client(timeout=10) as client, client.stream(
+        "POST", f"{base}/v1/completions", json=body, headers={"x-conversation-id": conversation}
+    ) as response:  # fmt: skip
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    return [str(json.loads(line[6:]).get("choices", [{}])[0].get("text", json.loads(line[6:]))) for line in lines]
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [[VLLM_INTERNAL_ERROR, DONE], [event({"error": {"message": "engine dead"}}), DONE], [DONE], []],
+    ids=["vllm-internal-error", "error-without-code", "done-only", "empty"],
+)  # fmt: skip
+def test_a_stream_that_fails_before_its_first_token_is_retried_on_another_decoder(
+    pool: dict[str, Any], parts: list[bytes]
+) -> None:
+    """Nothing reached the client yet, so the turn goes to another decoder instead of ending without a token."""
+    state, busy, light = pool["state"], pool["busy"], pool["light"]
+    light.stream_parts = parts
+    assert streamed_texts(pool["router"], "a") == ["d00", "d01", "d02"]  # the other decoder's answer, whole
+    assert len(light.requests) == 1 and len(busy.requests) == 1
+    assert state.pins.get("a", state.clock()).decoder == busy.url  # re-pinned where it was answered
+
+
+def test_a_client_error_streamed_first_is_the_clients_answer_not_retried(pool: dict[str, Any]) -> None:
+    """A 4xx error would fail on any decoder: it goes to the client as it came."""
+    pool["light"].stream_parts = [event({"error": {"message": "bad logprobs", "code": 400}}), DONE]
+    texts = streamed_texts(pool["router"], "a")
+    assert texts == ["{'error': {'message': 'bad logprobs', 'code': 400}}"]
+    assert pool["busy"].requests == []

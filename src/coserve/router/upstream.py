@@ -8,7 +8,8 @@ chooses an engine: each call is told which one.
 - ``forward`` passes the decoder's answer through as it comes: a stream is parsed with httpx-sse's SSE parser
   and each event is sent on as soon as it is complete (the usage event is read for the token counts, and
   dropped when the client did not ask for it). A decoder that fails before anything reached the client
-  (HTTP 502/503/504, a connection error) raises ``Unavailable``: the caller may retry elsewhere. One that fails
+  (HTTP 502/503/504, a connection error, a stream whose first event is a server error or its end: vLLM answers
+  200 and then streams an engine failure) raises ``Unavailable``: the caller may retry elsewhere. One that fails
   mid-stream ends the stream with an error event.
 - ``prefill`` sends turn 1 with ``max_tokens`` 1 (and ``kv_transfer_params`` asking for a remote decode) and
   returns the prefiller's answer, empty when it failed (the decoder then computes the prompt).
@@ -25,7 +26,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -213,27 +214,41 @@ class Upstream:
             self._observe(cls, slo_s, arrived, first_arrival)
             self._count_usage(content, cls)
             return Response(content, response.status, headers=out_headers)
+        # the decoder's first event before anything reaches the client: a stream that fails or begins with a
+        # server error (vLLM answers 200, then its error event) can still be retried on another decoder
+        events = EventSource(
+            httpx.Response(
+                response.status, headers={"content-type": content_type}, stream=_UpstreamBytes(response.content)
+            )
+        ).aiter_sse()
+        first: ServerSentEvent | None = None
+        try:
+            first = await anext(events, None)
+            failed = _server_error(first.data) if first is not None else "the stream ended before its first event"
+        except (TimeoutError, aiohttp.ClientError) as error:
+            failed = str(error) or type(error).__name__
+        if first is None or failed:
+            await events.aclose()
+            response.release()
+            raise Unavailable(f"the decoder's stream failed before its first token: {failed}")
         decoder.forward_answered()
-        relay = self._relay(response, cls, slo_s, arrived, first_arrival, wants_usage, decoder, ledger)
+        relay = self._relay(response, first, events, cls, slo_s, arrived, first_arrival, wants_usage, decoder, ledger)
         return StreamingResponse(relay, response.status, headers=out_headers)
 
     async def _relay(
-        self, response: aiohttp.ClientResponse, cls: str, slo_s: float, arrived: float, first_arrival: float,
-        pass_usage: bool = True, decoder: EngineLoad | None = None, ledger: str = "",
+        self, response: aiohttp.ClientResponse, first: ServerSentEvent, rest: AsyncGenerator[ServerSentEvent, None],
+        cls: str, slo_s: float, arrived: float, first_arrival: float, pass_usage: bool = True,
+        decoder: EngineLoad | None = None, ledger: str = "",
     ) -> AsyncIterator[bytes]:  # fmt: skip
-        """The decoder's SSE stream, each event sent on as soon as httpx-sse's parser has it complete (never
-        held for the next read); the final usage event is read for the token counts and dropped when the client
-        did not ask for it (the router asked on its behalf). Each event counts a token in ``decoder``'s ledger
-        entry ``ledger``, which the stream's end closes."""
+        """The decoder's SSE stream (its ``first`` event, already read, then the ``rest``), each event sent on as
+        soon as httpx-sse's parser has it complete (never held for the next read); the final usage event is read
+        for the token counts and dropped when the client did not ask for it (the router asked on its behalf).
+        Each event counts a token in ``decoder``'s ledger entry ``ledger``, which the stream's end closes."""
         events_seen = 0
         last: float | None = None
         last_id = ""
-        body = httpx.Response(
-            response.status, headers={"content-type": response.headers.get("content-type", "")},
-            stream=_UpstreamBytes(response.content),
-        )  # fmt: skip
         try:
-            async with contextlib.aclosing(EventSource(body).aiter_sse()) as events:
+            async with contextlib.aclosing(_chained(first, rest)) as events:
                 async for sse in events:
                     now = self.clock()
                     if last is None:
@@ -315,6 +330,36 @@ class _UpstreamBytes(httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         async for chunk in self._content.iter_any():
             yield chunk
+
+
+async def _chained(
+    first: ServerSentEvent, rest: AsyncGenerator[ServerSentEvent, None]
+) -> AsyncGenerator[ServerSentEvent, None]:
+    """``first``, then every event of ``rest`` (closed when this is)."""
+    yield first
+    async with contextlib.aclosing(rest):
+        async for sse in rest:
+            yield sse
+
+
+def _server_error(data: str) -> str:
+    """What failed, when the first SSE ``data`` of a decoder's answer is a server error (vLLM's streamed
+    ``{"error": {...}}`` with a code of 500 or more, or none) or the stream's end; "" for anything else, a client
+    error included (it would fail on any decoder)."""
+    if data == "[DONE]":  # the end, before any answer
+        return "the stream ended before its first token"
+    if not data.startswith('{"error"'):
+        return ""
+    try:
+        error = fastjson.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    if not isinstance(error, dict):
+        return ""
+    code = error.get("code")
+    if isinstance(code, int) and code < 500:
+        return ""
+    return str(error.get("message") or data)[:300]
 
 
 def _encode_event(sse: ServerSentEvent, last_id: str) -> bytes:
