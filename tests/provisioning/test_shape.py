@@ -192,3 +192,13 @@ def test_an_autoscaled_aggregated_pool_is_told_its_prefiller_bounds_do_not_apply
     assert plan.shapes is not None and plan.shapes.aggregated.engines == 3
     assert plan.prefillers == 0 and plan.decoders == 5  # lifted to the decoders' minReplicas
     assert any(w.startswith("spec.autoscaling.prefillers does not apply") for w in plan.warnings)
+
+
+def test_the_reason_states_the_objectives_as_written_never_in_exponent_form() -> None:
+    """ttftSloMs 10000 and 3600000 read back as the user wrote them (they once printed as "1e+04 ms")."""
+    classes = [{"name": "interactive", "weight": 10, "ttftSloMs": 10_000, "tpotSloMs": 2000},
+               {"name": "batch", "weight": 1, "ttftSloMs": 3_600_000, "tpotSloMs": 60_000}]  # fmt: skip
+    shapes = plan_with(priorityClasses=classes).shapes
+    assert shapes is not None
+    assert "objectives: TTFT 10000 ms (interactive), TPOT 2000 ms (interactive)" in shapes.reason
+    assert "e+0" not in shapes.reason

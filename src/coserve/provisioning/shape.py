@@ -473,12 +473,18 @@ def seconds_text(seconds: float, unit: str = "s") -> str:
     """A predicted time as the plan's text and ``coserve plan`` print it: "unbounded" at ``UNBOUNDED``."""
     if seconds >= UNBOUNDED:
         return "unbounded"
-    return f"{seconds * 1000:.4g} ms" if unit == "ms" else f"{seconds:.3g} s"
+    return f"{_digits(seconds * 1000, 4)} ms" if unit == "ms" else f"{_digits(seconds, 3)} s"
 
 
 def rate_text(per_s: float) -> str:
     """A saturation rate as printed: "unbounded" at ``UNBOUNDED``."""
-    return "unbounded" if per_s >= UNBOUNDED else f"{per_s:.4g}/s"
+    return "unbounded" if per_s >= UNBOUNDED else f"{_digits(per_s, 4)}/s"
+
+
+def _digits(value: float, significant: int) -> str:
+    """``value`` to ``significant`` digits, but whole and never in exponent form once it has more digits than
+    that: a 10 s objective reads "10000 ms", not "1e+04 ms"."""
+    return f"{value:.0f}" if abs(value) >= 10**significant else f"{value:.{significant}g}"
 
 
 def _finite(value: float) -> float:
@@ -486,8 +492,8 @@ def _finite(value: float) -> float:
 
 
 def _rate(value: float) -> str:
-    return f"{value:.4g}"
+    return _digits(value, 4)
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.4g} ms"
+    return seconds_text(seconds, "ms")
