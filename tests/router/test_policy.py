@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from coserve.router.policy import (
     MAX_CONVERSATION_ID_BYTES,
+    OCCUPANCY_TIE,
     EngineLoad,
     InvalidConversationId,
     PinTable,
@@ -129,6 +130,24 @@ def load(url: str, usage: float, healthy: bool = True, waiting: int = 0) -> Engi
 def test_turn_one_goes_to_the_decoder_with_the_lowest_occupancy(decoders: list[EngineLoad], expected: str) -> None:
     chosen = choose_decoder(decoders, full=0.9)
     assert (chosen.url if chosen else None) == expected
+
+
+@pytest.mark.parametrize(
+    ("occupancies", "first_token", "expected"),
+    [
+        ((0.20, 0.25), {"a": 3.0, "b": 1.0}, "b"),  # about as occupied: the sooner first token
+        ((0.20, 0.35), {"a": 3.0, "b": 1.0}, "a"),  # b is fuller by more than the tie: KV decides
+        ((0.20, 0.25), {"a": 1.0, "b": 1.0}, "a"),  # the same estimate: the emptier
+        ((0.20, 0.95), {"a": 3.0, "b": 0.0}, "a"),  # b is full whatever its queue
+    ],
+)
+def test_among_decoders_about_as_occupied_the_first_token_soonest_wins(
+    occupancies: tuple[float, float], first_token: dict[str, float], expected: str
+) -> None:
+    a, b = load("a", occupancies[0]), load("b", occupancies[1])
+    assert OCCUPANCY_TIE == 0.1
+    chosen = choose_decoder([a, b], full=0.9, first_token=first_token)
+    assert chosen is not None and chosen.url == expected
 
 
 def test_admitted_tokens_count_until_the_next_poll() -> None:

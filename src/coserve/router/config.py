@@ -229,7 +229,9 @@ class RouterConfig(BaseModel):
     prefill_latency: PrefillLatencyTerms | None = Field(
         None,
         description="prefillLatency is the engine profile's prefill cost: prefillers that cannot meet a "
-        "request's TTFT SLO are avoided; absent: no deadline estimates.",
+        "request's TTFT SLO are avoided, and a new conversation goes to the decoder, among those about as "
+        "occupied as the emptiest, where its first token comes soonest; absent: no deadline estimates, and the "
+        "emptiest decoder by KV occupancy.",
     )
     prefill_site: Literal["fastest", "prefiller"] = Field(
         "fastest",

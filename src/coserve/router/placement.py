@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ from coserve.router.policy import (
     PinTable,
     choose_decoder,
     choose_prefill_site,
+    first_token_s,
 )
 from coserve.router.upstream import Unavailable, Upstream
 
@@ -149,7 +150,7 @@ class Placement:
             else:  # its decoder is gone
                 self.metrics.replacements.inc()
             candidates = [d for d in self.engines.decoders.values() if d.url not in tried]
-            decoder = choose_decoder(candidates, self.config.decoder_full)
+            decoder = choose_decoder(candidates, self.config.decoder_full, self._first_tokens(candidates, body))
             if decoder is None:
                 return error_response(
                     503, "no decoder can take a new conversation now (all full or down); retry shortly"
@@ -241,6 +242,15 @@ class Placement:
             self.metrics.prefill_tokens.labels(prefiller.url).inc(tokens)
         params = answer.get("kv_transfer_params")
         return ({**body, "kv_transfer_params": params}, 0) if params else (body, 0 if answer else tokens)
+
+    def _first_tokens(self, decoders: Sequence[EngineLoad], body: Mapping[str, Any]) -> dict[str, float] | None:
+        """Each decoder's estimated seconds to ``body``'s first token were it prefilled there (``first_token_s``
+        on the pool's prefill curve); ``None`` without a curve."""
+        curve = self.config.prefill_latency
+        if curve is None:
+            return None
+        tokens, mean = estimate_tokens(body), self._mean_prompt()
+        return {d.url: first_token_s(d, tokens, curve, mean_prompt_tokens=mean) for d in decoders}
 
     def _mean_prompt(self) -> float | None:
         """The mean prompt the router sent to any engine (for engines it sent nothing yet)."""

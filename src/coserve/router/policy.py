@@ -222,6 +222,11 @@ def resolve_class(
     return wanted if wanted.rank >= cap.rank else cap
 
 
+# decoders whose KV occupancy is within this of the lowest are equally occupied for a new conversation's placement
+# (``choose_decoder``): then where its first token comes soonest decides
+OCCUPANCY_TIE = 0.1
+
+
 @dataclass
 class EngineLoad:
     """What the router knows of one engine's load."""
@@ -323,10 +328,24 @@ class EngineLoad:
             self.forward_failures = []
 
 
-def choose_decoder(decoders: Sequence[EngineLoad], full: float = 0.9) -> EngineLoad | None:
-    """Turn 1's decoder: the lowest occupancy among healthy ones below ``full``; ``None``: every one is full."""
+def choose_decoder(
+    decoders: Sequence[EngineLoad], full: float = 0.9, first_token: Mapping[str, float] | None = None,
+    tie: float = OCCUPANCY_TIE,
+) -> EngineLoad | None:  # fmt: skip
+    """Turn 1's decoder among the healthy ones below ``full`` (``None``: every one is full): the lowest KV
+    occupancy. With ``first_token`` (by URL: each one's estimated seconds to this request's first token,
+    ``first_token_s``), the decoders within ``tie`` of the lowest occupancy count as equally occupied, and the
+    one that gives the first token soonest among them is taken: where KV memory does not bind, the occupancy
+    polled every ``pollS`` says little of which engine is busy (a queued request holds no KV yet, a
+    conversation between turns none that vLLM counts), and the router's own ledger of what it sent says more."""
     open_ = [d for d in decoders if d.healthy and d.occupancy() < full]
-    return min(open_, key=lambda d: (d.occupancy(), d.waiting, d.url)) if open_ else None
+    if not open_:
+        return None
+    if first_token:
+        lowest = min(d.occupancy() for d in open_)
+        near = [d for d in open_ if d.occupancy() <= lowest + tie]
+        return min(near, key=lambda d: (first_token.get(d.url, 0.0), d.occupancy(), d.url))
+    return min(open_, key=lambda d: (d.occupancy(), d.waiting, d.url))
 
 
 def choose_gain_oriented(
