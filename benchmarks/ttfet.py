@@ -43,7 +43,7 @@ result (``--appended`` tokens) after a tool-call gap (``--gap`` s). TTFET is the
 first arrival to the first token of its final turn (streamed). Recomputation is the engines'
 ``vllm:prompt_tokens_by_source_total{source="local_compute"}``, all three.
 
-    .venv/bin/python benchmarks/ttfet.py                 # the sweep (~55 min; it resumes where it stopped)
+    .venv/bin/python benchmarks/ttfet.py                 # the sweep (~25 min; it resumes where it stopped)
     .venv/bin/python benchmarks/ttfet.py --gateway --gateway-repetitions 3 --rate 0.2   # ttfet_gateway
 
 Writes benchmarks/results/ttfet.json once every run is in. Targets: at both loads, coserve's p50 and p95 TTFET
