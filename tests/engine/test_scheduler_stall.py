@@ -72,6 +72,24 @@ def make_scheduler(model: Path, tweak: Callable[[VllmConfig], None] | None = Non
     )
 
 
+def with_coserve_connector(
+    engine_id: str, kv_role: str, extra: dict[str, Any], load_failure_policy: str | None = None
+) -> Callable[[VllmConfig], None]:
+    """A ``make_scheduler`` tweak: coserve's connector as ``kv_role`` with ``extra`` (and vLLM's
+    kv_load_failure_policy when given), as the engine's --kv-transfer-config would set it."""
+    from vllm.config import KVTransferConfig
+
+    def tweak(vllm_config: VllmConfig) -> None:
+        policy = {"kv_load_failure_policy": load_failure_policy} if load_failure_policy else {}
+        vllm_config.kv_transfer_config = KVTransferConfig(
+            kv_connector="CoServeConnector", kv_connector_module_path="coserve.engine.connector", kv_role=kv_role,
+            engine_id=engine_id, kv_connector_extra_config=extra, **policy,
+        )  # fmt: skip
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True  # as VllmConfig sets it for a connector
+
+    return tweak
+
+
 def make_request(request_id: str, prompt_tokens: int, cls: str, max_tokens: int, first_token: int) -> Request:
     """A prompt of distinct token ids from ``first_token`` (no prefix shared with another request's)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"coserve_class": cls})
@@ -174,7 +192,6 @@ def test_a_step_predicted_within_the_threshold_runs_without_safepoints(
 ) -> None:
     """With a cost model of 10 ms per step plus 1 ms per token and ``safepoint_min_step_s`` 0.05: a
     16-token step (26 ms) is sent to the workers without safepoints, a 256-token one (266 ms) with them."""
-    from vllm.config import KVTransferConfig
 
     from coserve.engine.connector import find_metadata
     from coserve.scheduling.config import CONFIG_ENV
@@ -183,15 +200,7 @@ def test_a_step_predicted_within_the_threshold_runs_without_safepoints(
     config.write_text('{"costModel": {"k1": 0.001, "k2": 0, "k3": 0, "k4": 0, "k5": 0.01}}')
     monkeypatch.setenv(CONFIG_ENV, str(config))
 
-    def with_connector(vllm_config: VllmConfig) -> None:
-        vllm_config.kv_transfer_config = KVTransferConfig(
-            kv_connector="CoServeConnector",
-            kv_connector_module_path="coserve.engine.connector",
-            kv_role="kv_both",
-            engine_id=f"minstep{tmp_path.name[-10:]}",
-            kv_connector_extra_config={"safepoint_min_step_s": 0.05},
-        )
-        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True  # as VllmConfig sets it for a connector
+    with_connector = with_coserve_connector(f"minstep{tmp_path.name[-10:]}", "kv_both", {"safepoint_min_step_s": 0.05})
 
     scheduler = make_scheduler(tiny_model, with_connector)
     try:
@@ -222,18 +231,8 @@ def test_the_scheduler_refuses_an_engine_that_fails_a_request_whose_handoff_did_
 ) -> None:
     """vLLM's default kv_load_failure_policy ends a request with an error and no token when a block it planned to
     load is gone (the prefiller's bounded handoff directory dropped it): coserve's engines recompute instead."""
-    from vllm.config import KVTransferConfig
-
-    def with_handoff(vllm_config: VllmConfig) -> None:
-        vllm_config.kv_transfer_config = KVTransferConfig(
-            kv_connector="CoServeConnector",
-            kv_connector_module_path="coserve.engine.connector",
-            kv_role="kv_consumer",
-            engine_id=f"loadfail{policy}{tmp_path.name[-10:]}",
-            kv_load_failure_policy=policy,  # type: ignore[arg-type]
-            kv_connector_extra_config={"handoff_backend": "shm", "handoff_path": str(tmp_path / "handoff")},
-        )
-        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True  # as VllmConfig sets it for a connector
+    handoff = {"handoff_backend": "shm", "handoff_path": str(tmp_path / "handoff")}
+    with_handoff = with_coserve_connector(f"loadfail{policy}{tmp_path.name[-10:]}", "kv_consumer", handoff, policy)
 
     if policy == "fail":
         with pytest.raises(ValueError, match='"kv_load_failure_policy": "recompute"'):
