@@ -40,7 +40,7 @@ typecheck: $(STAMP)
 imports: $(STAMP)
 	$(BIN)/lint-imports
 
-# A real Prometheus for the autoscaler's integration tests: Debian's package (ENVIRONMENT.md), as root or via sudo.
+# A real Prometheus for the autoscaler's integration tests: Debian's package, as root or via sudo.
 PROMETHEUS_INSTALL = DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { \

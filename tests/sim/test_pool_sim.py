@@ -12,6 +12,7 @@ import pytest
 from conftest import TRACES
 from coserve.autoscaling.policy import Replicas
 from coserve.bench.workload import Conversation, Turn, agentic, from_mooncake
+from coserve.cli.simulate import CLASS_MIX_EXAMPLE
 from coserve.scheduling import SlideConfig, StepCostModel
 from coserve.scheduling.requests import ClassRegistry
 from coserve.sim import Observation, OfflineWork, PoolSim, SimConfig
@@ -188,7 +189,7 @@ def test_the_observation_reads_the_arrival_rate_over_two_minutes() -> None:
 def test_the_command_mixes_classes_harvests_offline_work_autoscales_and_plots(tmp_path: Path) -> None:
     profile = str(ROOT / "examples/profile-h100-published.yaml")
     command = [sys.executable, "-m", "coserve", "simulate", str(ROOT / "examples/pool.yaml"), "--profile", profile,
-               "--conversations", "40", "--first", "2000", "--class-mix", "interactive=1,standard=3",
+               "--conversations", "40", "--first", "2000", "--class-mix", CLASS_MIX_EXAMPLE,
                "--offline-concurrency", "4", "--autoscale", "--startup", "5", "-o", "json",
                "--plot", str(tmp_path / "sim.png")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)

@@ -104,8 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     render = commands.add_parser(
         "render",
         help="print the Kubernetes objects the operator would create for a CoServePool",
-        description="Print the ConfigMap, Deployments and Services the operator creates for a "
-        "CoServePool manifest (the same code the operator runs).",
+        description="Print every object the operator creates for a CoServePool manifest (the ConfigMap, "
+        "Deployments, Services, PodDisruptionBudgets, the router token Secret, the router's ServiceAccount, Role "
+        "and RoleBinding, and the NetworkPolicy), from the same code the operator runs.",
     )
     render.add_argument("file", metavar="FILE", help="CoServePool manifest (YAML or JSON); - reads stdin")
     render.add_argument(

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 __all__ = ["add_simulate_command"]
 
 
+# --class-mix's example in --help: examples/pool.yaml's classes (tests/sim/test_pool_sim.py runs it)
+CLASS_MIX_EXAMPLE = "interactive=1,standard=3"
+
+
 def add_simulate_command(commands: Any, add_profile_option: Any) -> None:
     simulate = commands.add_parser(
         "simulate",
@@ -79,7 +83,7 @@ def add_simulate_command(commands: Any, add_profile_option: Any) -> None:
         "--class-mix",
         metavar="NAME=SHARE,...",
         help="conversations drawn at random (--seed) from these classes in these shares, e.g. "
-        "interactive=0.3,batch=0.7",
+        f"{CLASS_MIX_EXAMPLE} (examples/pool.yaml's classes)",
     )
     simulate.add_argument(
         "--offline-concurrency",
