@@ -90,7 +90,7 @@ def pd_pool(model: Path, workdir: Path, config: Mapping[str, Any], shape: PoolSh
         stack.callback(handoff.rmdir)
         stack.callback(lambda: [child.unlink() for child in handoff.iterdir()] and None)
         roles = [("prefiller", i) for i in range(shape.prefillers)] + [("decoder", i) for i in range(shape.decoders)]
-        cores = sorted(os.sched_getaffinity(0))
+        cores = list(os.sched_getaffinity(0))  # shared_machine_threads orders them
         for started, (role, index) in enumerate(roles):
             threads = shared_machine_threads(started, len(roles), cores) if shape.share_cores else {}
             kv: dict[str, Any] = {"handoff_backend": "shm", "handoff_path": str(handoff)}

@@ -112,7 +112,7 @@ def run_local_pool(
     urls: dict[str, list[str]] = {"prefiller": [], "decoder": []}
     with _terminate_as_interrupt(), ExitStack() as stack:
         try:
-            cores = sorted(os.sched_getaffinity(0))
+            cores = list(os.sched_getaffinity(0))  # shared_machine_threads orders them
             for started_before, (role, index, kv) in enumerate(roles):
                 started = time.monotonic()
                 _say(f"starting {role} {index + 1} ({model_path.name}); this takes about 30-60 s on CPUs")
